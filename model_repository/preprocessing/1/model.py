@@ -1,0 +1,5 @@
+"""Triton Python-backend entry point; the logic lives in tritonllm.text_models."""
+
+from tritonllm.text_models import PreprocessingModel as TritonPythonModel
+
+__all__ = ["TritonPythonModel"]

@@ -1,0 +1,310 @@
+"""The portable engine: a Hugging Face causal LM behind transformers' continuous batching.
+
+Requests join the running batch as they arrive (in-flight batching); the batching itself is
+transformers' `ContinuousBatchingManager`. This module adds what a serving engine needs around
+it, with TensorRT-LLM's semantics: per-request end id, stop and bad word sequences, seeded
+sampling, streaming of new tokens, cancellation, and a finish reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.cb_logits_processors import (
+    ContinuousBatchingLogitsProcessor,
+    ContinuousBatchingLogitsProcessorList,
+)
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+from tritonllm.sampling import SamplingProcessor
+
+log = logging.getLogger(__name__)
+
+FINISH_END_ID = "end_id"
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Greedy unless `sample`; then temperature > 0, top_k 0 = off, top_p 1.0 = off."""
+
+    sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def as_kwargs(self) -> dict:
+        if not self.sample:
+            return {}
+        return {"sample": True, "temperature": self.temperature, "top_k": self.top_k,
+                "top_p": self.top_p, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    input_ids: list[int]
+    max_new_tokens: int
+    end_id: int = -1  # -1: never stop on a token
+    sampling: SamplingParams = SamplingParams()
+    stop_words: tuple[tuple[int, ...], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    streaming: bool = False
+
+
+@dataclass(frozen=True)
+class Emission:
+    """What the engine reports for a request.
+
+    `token_ids` are the tokens since the previous emission of a streaming request, or all the
+    generated tokens in the single emission of a non-streaming one. A final emission has a
+    `finish_reason`; only an "error" one has `error`.
+    """
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Active:
+    request: GenerationRequest
+    emit: Callable[[Emission], None]
+    tokens: list[int] = field(default_factory=list)  # generated so far, end id excluded
+    seen: int = 0  # tokens of the manager's output already processed
+    sent: int = 0  # tokens already emitted (streaming)
+
+
+class BadWordsProcessor(ContinuousBatchingLogitsProcessor):
+    """Bans, per request, the last token of each bad word sequence whose other tokens were just generated."""
+
+    supported_kwargs = {"bad_words": tuple}
+    ignored_kwargs = ()
+
+    def __init__(self) -> None:
+        self._bans: list[tuple[int, list[int]]] = []
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.zero_()
+
+    def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:
+        self._bans = []
+        for row, future in enumerate(requests_with_new_token):
+            words = future.state.logit_processor_kwargs.get("bad_words")
+            if words:
+                state = future.state
+                context = state.initial_tokens + state.generated_tokens
+                banned = [w[-1] for w in words if len(w) == 1 or _ends_with(context, w[:-1])]
+                if banned:
+                    self._bans.append((row, banned))
+        return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        for row, banned in self._bans:
+            scores[row, banned] = float("-inf")
+        return scores
+
+
+def _ends_with(tokens: list[int], suffix: tuple[int, ...]) -> bool:
+    return len(tokens) >= len(suffix) and tuple(tokens[len(tokens) - len(suffix):]) == suffix
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_size: int = 16
+    max_seq_len: int = 4096
+    kv_cache_tokens: int = 16384  # KV cache capacity, in tokens, across all requests
+    max_batch_tokens: int = 512  # tokens per forward step; longer prompts are prefilled in chunks
+    page_size: int = 128
+
+
+class PortableEngine:
+    """One model, one batching manager, one thread that routes the manager's outputs to requests."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.model_dir, dtype=getattr(torch, config.dtype), attn_implementation="sdpa"
+        ).to(config.device)
+        self.model.eval()
+        generation_config = GenerationConfig(
+            do_sample=False, max_new_tokens=config.max_seq_len, eos_token_id=-1, pad_token_id=0
+        )
+        self._manager = self.model.init_continuous_batching(
+            generation_config=generation_config,
+            continuous_batching_config=ContinuousBatchingConfig(
+                page_size=config.page_size,
+                num_blocks=max(1, config.kv_cache_tokens // config.page_size),
+                max_batch_tokens=config.max_batch_tokens,
+                max_requests_per_batch=config.max_batch_size,
+                # The processors below find their rows on the host for each batch: keep the
+                # batch preparation and the forward pass in lock step (no graphs, no async).
+                use_cuda_graph=False,
+                use_async_batching=False,
+                auto_switch_to_flash=False,
+            ),
+        )
+        self._manager.logit_processor = _processor_list([SamplingProcessor(), BadWordsProcessor()])
+        self._active: dict[str, _Active] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self._manager.start()
+        self._router = threading.Thread(target=self._route_outputs, name="engine-output-router", daemon=True)
+        self._router.start()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        """Queue a request; `emit` is called from the engine's thread as tokens arrive."""
+        request_id = f"r{next(self._ids)}"
+        active = _Active(request, emit)
+        kwargs = request.sampling.as_kwargs()
+        if request.bad_words:
+            kwargs["bad_words"] = request.bad_words
+        with self._lock:
+            self._active[request_id] = active
+        # The manager reports every token when we must look at each one (stop words, streaming).
+        per_token = request.streaming or bool(request.stop_words)
+        self._manager.add_request(
+            input_ids=request.input_ids,
+            request_id=request_id,
+            max_new_tokens=request.max_new_tokens,
+            streaming=per_token,
+            eos_token_id=request.end_id,
+            **kwargs,
+        )
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request and free its place in the batch; it gets a final "cancelled" emission."""
+        with self._lock:
+            active = self._active.pop(request_id, None)
+        if active is not None:
+            self._manager.cancel_request(request_id)
+            _finish(active, FINISH_CANCELLED)
+
+    def running(self) -> int:
+        """Requests submitted and not finished."""
+        with self._lock:
+            return len(self._active)
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None) -> tuple[list[int], str]:
+        """Blocking helper: the generated tokens and finish reason of one non-streaming request."""
+        done = threading.Event()
+        result: list[Emission] = []
+
+        def emit(emission: Emission) -> None:
+            result.append(emission)
+            if emission.final:
+                done.set()
+
+        self.submit(request, emit)
+        if not done.wait(timeout):
+            raise TimeoutError("generation did not finish in time")
+        final = result[-1]
+        if final.error:
+            raise RuntimeError(final.error)
+        return [t for e in result for t in e.token_ids], final.finish_reason or ""
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            pending = list(self._active.items())
+            self._active.clear()
+        for request_id, active in pending:
+            self._manager.cancel_request(request_id)
+            _finish(active, FINISH_ERROR, "the engine is shutting down")
+        self._manager.stop(block=True, timeout=10)
+        self._router.join(timeout=5)
+
+    # ------------------------------------------------------------------ output routing
+
+    def _route_outputs(self) -> None:
+        while not self._stopping.is_set():
+            output = self._manager.get_result(timeout=0.1)
+            if output is None:
+                if not self._manager.is_running() and not self._stopping.is_set():
+                    self._fail_all("the generation loop stopped unexpectedly")
+                    return
+                continue
+            with self._lock:
+                active = self._active.get(output.request_id)
+            if active is None:  # cancelled meanwhile
+                continue
+            try:
+                self._advance(output.request_id, active, output)
+            except Exception as exc:  # a bug here must not kill routing for every other request
+                log.exception("routing output of %s failed", output.request_id)
+                self._drop(output.request_id, active, FINISH_ERROR, f"internal error: {exc}")
+
+    def _advance(self, request_id: str, active: _Active, output: GenerationOutput) -> None:
+        if output.status == RequestStatus.FAILED:
+            self._drop(request_id, active, FINISH_ERROR, output.error or "generation failed")
+            return
+        request = active.request
+        reason = None
+        for token in output.generated_tokens[active.seen:]:
+            active.seen += 1
+            if token == request.end_id:
+                reason = FINISH_END_ID
+                break
+            active.tokens.append(token)
+            if any(_ends_with(active.tokens, word) for word in request.stop_words):
+                reason = FINISH_STOP
+                self._manager.cancel_request(request_id)
+                break
+            if len(active.tokens) >= request.max_new_tokens:
+                reason = FINISH_LENGTH
+                break
+        if reason is None and output.is_finished():
+            reason = FINISH_LENGTH
+        if reason is not None:
+            self._drop(request_id, active, reason)
+        elif request.streaming and len(active.tokens) > active.sent:
+            new = active.tokens[active.sent:]
+            active.sent = len(active.tokens)
+            active.emit(Emission(new))
+
+    def _drop(self, request_id: str, active: _Active, reason: str, error: str | None = None) -> None:
+        with self._lock:
+            if self._active.pop(request_id, None) is None:
+                return  # already finished (cancelled concurrently)
+        _finish(active, reason, error)
+
+    def _fail_all(self, error: str) -> None:
+        with self._lock:
+            pending = list(self._active.values())
+            self._active.clear()
+        for active in pending:
+            _finish(active, FINISH_ERROR, error)
+
+
+def _finish(active: _Active, reason: str, error: str | None = None) -> None:
+    tokens = active.tokens[active.sent:] if active.request.streaming else active.tokens
+    active.sent = len(active.tokens)
+    active.emit(Emission(list(tokens), reason, error))
+
+
+def _processor_list(processors: list[ContinuousBatchingLogitsProcessor]) -> ContinuousBatchingLogitsProcessorList:
+    plist = ContinuousBatchingLogitsProcessorList(LogitsProcessorList(processors))
+    # Each of our processors keeps one int32 per request in the manager's argument storage.
+    plist.tensors_required = len(processors)
+    return plist

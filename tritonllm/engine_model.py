@@ -1,0 +1,155 @@
+"""Triton adapter of the portable engine: the decoupled `tensorrt_llm` model.
+
+`execute` parses each request, hands it to the engine and returns at once; the engine's router
+thread reports tokens, and a sender thread turns them into responses, so neither generation nor
+request intake ever waits on the server's IPC. Like the TensorRT-LLM backend, a non-streaming
+request gets one response holding all its tokens; a streaming one gets a response per new
+tokens; both end with a COMPLETE_FINAL flag.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from tritonllm.engine import FINISH_CANCELLED, Emission, EngineConfig, GenerationRequest, PortableEngine
+from tritonllm.engine_io import exclude_input, pack_outputs, parse_requests
+from tritonllm.text_models import flag
+from tritonllm.tokenization import Limits
+from tritonllm.triton_glue import FINAL, error_response, input_arrays, log, model_config, parameters, to_tensors
+
+CANCEL_CHECK_SECONDS = 0.2
+
+
+@dataclass
+class _Call:
+    """One Triton request: one or more engine requests (one per batch row) and its response sender."""
+
+    sender: object
+    requests: list[GenerationRequest]
+    exclude_input: bool
+    pad_id: int
+    engine_ids: list[str] = field(default_factory=list)
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # finished rows
+    closed: bool = False
+
+
+class EngineModel:
+    def initialize(self, args: dict) -> None:
+        config = model_config(args)
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise ValueError("tensorrt_llm must be decoupled: set model_transaction_policy { decoupled: true }")
+        params = parameters(config)
+        device = "cpu"
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        self.limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
+        self.exclude_input = flag(params.get("exclude_input_in_output", "true"))
+        self.engine = PortableEngine(
+            EngineConfig(
+                model_dir=params["model_dir"],
+                device=device,
+                dtype=params["dtype"],
+                max_batch_size=int(config["max_batch_size"]),
+                max_seq_len=self.limits.max_seq_len,
+                kv_cache_tokens=int(params["kv_cache_tokens"]),
+                max_batch_tokens=int(params["max_batch_tokens"]),
+            )
+        )
+        started = time.perf_counter()
+        # The batching manager's first step is slow (allocation, kernel selection): pay it now.
+        self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)
+        log.info("tensorrt_llm: portable engine on %s warmed up in %.1f s", device, time.perf_counter() - started)
+        self._outbox: queue.Queue = queue.Queue()
+        self._live: dict[int, _Call] = {}
+        self._running = True
+        self._sender_thread = threading.Thread(target=self._send_loop, name="tensorrt_llm-sender", daemon=True)
+        self._sender_thread.start()
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                arrays = input_arrays(request)
+                rows = parse_requests(arrays, self.limits)
+                pad = arrays.get("pad_id")
+                call = _Call(sender, rows, exclude_input(arrays, self.exclude_input), int(pad.flat[0]) if pad is not None else 0)
+            except Exception as exc:
+                sender.send(error_response(exc), flags=FINAL)
+                continue
+            self._live[id(call)] = call
+            for row, generation in enumerate(rows):
+                call.engine_ids.append(self.engine.submit(generation, lambda e, c=call, r=row: self._on_emission(c, r, e)))
+        return None
+
+    def _on_emission(self, call: _Call, row: int, emission: Emission) -> None:
+        """From the engine's thread: queue what to send, never block."""
+        request = call.requests[row]
+        if emission.error or emission.finish_reason == FINISH_CANCELLED:
+            self._outbox.put((call, None, emission))
+        elif request.streaming:
+            outputs = pack_outputs([emission.token_ids], call.pad_id) if emission.token_ids else None
+            self._outbox.put((call, outputs, emission))
+        elif emission.final:
+            tokens = ([] if call.exclude_input else request.input_ids) + emission.token_ids
+            call.tokens[row] = tokens
+            if len(call.tokens) == len(call.requests):
+                outputs = pack_outputs([call.tokens[r] for r in range(len(call.requests))], call.pad_id)
+                self._outbox.put((call, outputs, emission))
+
+    def _send_loop(self) -> None:
+        next_check = time.monotonic() + CANCEL_CHECK_SECONDS
+        while self._running:
+            try:
+                call, outputs, emission = self._outbox.get(timeout=CANCEL_CHECK_SECONDS)
+                self._send(call, outputs, emission)
+            except queue.Empty:
+                pass
+            except Exception:  # never let one response stop the others
+                log.exception("tensorrt_llm: sending a response failed")
+            if time.monotonic() >= next_check:
+                self._check_cancelled()
+                next_check = time.monotonic() + CANCEL_CHECK_SECONDS
+
+    def _send(self, call: _Call, outputs: dict[str, np.ndarray] | None, emission: Emission) -> None:
+        if call.closed:
+            return
+        if emission.error or emission.finish_reason == FINISH_CANCELLED:
+            self._close(call)
+            if emission.error:
+                message = f"generation failed: {emission.error}"
+                error = pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
+            else:
+                error = pb_utils.TritonError("request was cancelled", pb_utils.TritonError.CANCELLED)
+            call.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            return
+        final = emission.final and (call.requests[0].streaming or len(call.tokens) == len(call.requests))
+        if final:
+            self._close(call)
+        if outputs is None:
+            call.sender.send(flags=FINAL)
+        else:
+            call.sender.send(pb_utils.InferenceResponse(output_tensors=to_tensors(outputs)), flags=FINAL if final else 0)
+
+    def _close(self, call: _Call) -> None:
+        call.closed = True
+        self._live.pop(id(call), None)
+        for engine_id in call.engine_ids:
+            self.engine.cancel(engine_id)  # no-op for finished requests; frees the others' batch slots
+
+    def _check_cancelled(self) -> None:
+        for call in list(self._live.values()):
+            if call.sender.is_cancelled():
+                for engine_id in call.engine_ids:
+                    self.engine.cancel(engine_id)
+
+    def finalize(self) -> None:
+        self.engine.shutdown()
+        self._running = False
+        self._sender_thread.join(timeout=5)
+

@@ -1,0 +1,159 @@
+"""Run the `tritonserver` 2.51 binary shipped in the `nvidia-pytriton` wheel, without Docker.
+
+Only the binary is used, not PyTriton's API. Its Python backend needs a stub built for this
+Python version next to `libtriton_python.so`, the interpreter's libpython and the wheel's bundled
+libraries on LD_LIBRARY_PATH, and this environment's `bin/` first on PATH so that the stub
+imports this environment's packages (numpy, torch, transformers, tritonllm).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """tritonserver cannot start, or stopped; the message says why and what to do."""
+
+
+def pytriton_root() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("The nvidia-pytriton wheel (which carries tritonserver) is not installed: run `make build`.")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def prepare_backends(work_dir: Path) -> Path:
+    """A backend folder whose Python backend has the stub for this interpreter; returns it."""
+    server_root = pytriton_root() / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = server_root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"tritonserver's Python backend has no stub for Python {version}; use Python 3.8 to 3.13.")
+    python_backend = work_dir / "backends" / "python"
+    python_backend.mkdir(parents=True, exist_ok=True)
+    for item in (server_root / "backends" / "python").iterdir():
+        if item.is_file():
+            target = python_backend / item.name
+            target.unlink(missing_ok=True)
+            target.symlink_to(item)
+    shutil.copy2(stub, python_backend / stub.name)
+    (python_backend / stub.name).chmod(0o755)
+    return work_dir / "backends"
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    libs = [sysconfig.get_config_var("LIBDIR") or "", str(pytriton_root().parent / "nvidia_pytriton.libs")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([p for p in libs if p] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+@dataclass
+class TritonServer:
+    repository: Path
+    work_dir: Path
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    host: str = "127.0.0.1"
+    log_file: Path | None = None  # None: inherit this process's stdout/stderr
+
+    process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        binary = pytriton_root() / "tritonserver" / "bin" / "tritonserver"
+        return [
+            str(binary),
+            f"--model-repository={self.repository}",
+            f"--backend-directory={prepare_backends(self.work_dir)}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            "--disable-auto-complete-config",
+            "--exit-on-error=true",
+        ]
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    def start(self, timeout: float = 300.0) -> None:
+        if not (self.repository / "ensemble" / "config.pbtxt").is_file():
+            raise ServerError(f"{self.repository} holds no rendered model repository: run `make build` first.")
+        for port in (self.http_port, self.grpc_port, self.metrics_port):
+            if port_in_use(self.host, port):
+                raise ServerError(
+                    f"port {port} on {self.host} is already in use (another server?). Stop it or choose other ports: "
+                    "make serve HTTP_PORT=... GRPC_PORT=... METRICS_PORT=..."
+                )
+        output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
+        self._output = output
+        self.process = subprocess.Popen(
+            self.command(), env=server_env(), stdout=output, stderr=subprocess.STDOUT if output else None,
+            start_new_session=True,
+        )
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                where = f" (see {self.log_file})" if self.log_file else ""
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} while loading models{where}")
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        raise ServerError(f"tritonserver was not ready after {timeout:.0f} s")
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGINT (Triton drains and unloads models), then SIGKILL of the whole group if it hangs."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if getattr(self, "_output", None):
+            self._output.close()
+        return self.process.returncode
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def port_in_use(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False

@@ -1,0 +1,34 @@
+"""Triton adapters of the tokenizer and detokenizer models (run inside the Python-backend stub)."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from tritonllm.detokenization import Detokenizer, Postprocessor
+from tritonllm.tokenization import Limits, Preprocessor
+from tritonllm.triton_glue import model_config, parameters, run_batch
+
+
+def flag(value: str) -> bool:
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+class PreprocessingModel:
+    def initialize(self, args: dict) -> None:
+        params = parameters(model_config(args))
+        tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
+        limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
+        self.preprocessor = Preprocessor(tokenizer, limits, flag(params["add_special_tokens"]))
+
+    def execute(self, requests: list) -> list:
+        return run_batch(requests, self.preprocessor.process)
+
+
+class PostprocessingModel:
+    def initialize(self, args: dict) -> None:
+        params = parameters(model_config(args))
+        tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
+        self.postprocessor = Postprocessor(Detokenizer(tokenizer, flag(params["skip_special_tokens"])))
+
+    def execute(self, requests: list) -> list:
+        return run_batch(requests, self.postprocessor.process)

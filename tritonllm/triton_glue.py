@@ -1,0 +1,62 @@
+"""What every Python-backend model of the repository shares: tensors in and out, errors, parameters.
+
+Imported only inside tritonserver's Python-backend stub, where `triton_python_backend_utils` exists.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from tritonllm.errors import InputError
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+log = logging.getLogger("tritonllm")
+
+
+def model_config(args: dict) -> dict:
+    return json.loads(args["model_config"])
+
+
+def parameters(config: dict) -> dict[str, str]:
+    """The model's `parameters { key: ... value: { string_value: ... } }` as a plain dict."""
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def input_arrays(request) -> dict[str, np.ndarray]:
+    """Every input of a request as a numpy array (copied: it outlives the request's shared memory)."""
+    return {tensor.name(): np.array(tensor.as_numpy(), copy=True) for tensor in request.inputs()}
+
+
+def to_tensors(outputs: dict[str, np.ndarray], wanted: set[str] | None = None) -> list:
+    return [pb_utils.Tensor(name, array) for name, array in outputs.items() if wanted is None or name in wanted]
+
+
+def error_response(exc: BaseException):
+    """INVALID_ARG (HTTP 400) for a client's mistake, INTERNAL for ours."""
+    if isinstance(exc, InputError):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
+    log.exception("internal error", exc_info=exc)
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {exc}", pb_utils.TritonError.INTERNAL))
+
+
+def requested_outputs(request) -> set[str] | None:
+    names = request.requested_output_names()
+    return set(names) if names else None
+
+
+def run_batch(requests: Sequence, process: Callable[[list[dict[str, np.ndarray]]], list]) -> list:
+    """Answer a batch of requests with `process`, which maps input arrays to output arrays or an error each."""
+    try:
+        results = process([input_arrays(r) for r in requests])
+    except Exception as exc:  # a bug must fail these requests, not the model
+        return [error_response(exc) for _ in requests]
+    return [
+        error_response(result) if isinstance(result, Exception)
+        else pb_utils.InferenceResponse(output_tensors=to_tensors(result, requested_outputs(request)))
+        for request, result in zip(requests, results)
+    ]
