@@ -30,7 +30,9 @@ class BridgeModel:
             sender = request.get_response_sender()
             try:
                 inputs = [
-                    pb_utils.Tensor(name, array.reshape(array.shape[0], *self.reshaped[name]) if name in self.reshaped else array)
+                    pb_utils.Tensor(
+                        name, array.reshape(array.shape[0], *self.reshaped[name]) if name in self.reshaped else array
+                    )
                     for name, array in input_arrays(request).items()
                 ]
                 outputs = request.requested_output_names() or ["output_ids", "sequence_length"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -105,18 +106,22 @@ def versions() -> dict[str, str]:
 
     found = {}
     for package in ("torch", "transformers", "nvidia-pytriton", "tritonclient"):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             found[package] = version(package)
-        except PackageNotFoundError:
-            pass
     return found
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--engine", choices=["portable", "trtllm"], default="portable",
-                        help="portable: Hugging Face model on PyTorch (CPU or CUDA); trtllm: TensorRT-LLM engine")
-    parser.add_argument("--model", default="", help="Hugging Face folder or .gguf file (default: packaged SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--engine",
+        choices=["portable", "trtllm"],
+        default="portable",
+        help="portable: Hugging Face model on PyTorch (CPU or CUDA); trtllm: TensorRT-LLM engine",
+    )
+    parser.add_argument(
+        "--model", default="", help="Hugging Face folder or .gguf file (default: packaged SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--build-dir", type=Path, default=Path("build"))
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto")
@@ -131,8 +136,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.engine == "trtllm":
-        print("build_engines.py: --engine trtllm is not available yet; this version serves --engine portable.",
-              file=sys.stderr)
+        print(
+            "build_engines.py: --engine trtllm is not available yet; this version serves --engine portable.",
+            file=sys.stderr,
+        )
         return 2
     build_dir = args.build_dir.resolve()
     try:
@@ -142,10 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelSourceError, RepositoryError) as exc:
         print(f"build_engines.py: {exc}", file=sys.stderr)
         return 2
-    manifest = {**asdict(plan), "tokenizer_dir": plan.model_dir, "model_source": args.model or "default",
-                "models": models, "versions": versions()}
+    manifest = {
+        **asdict(plan),
+        "tokenizer_dir": plan.model_dir,
+        "model_source": args.model or "default",
+        "models": models,
+        "versions": versions(),
+    }
     (build_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    print(f"Rendered {build_dir / 'model_repository'} ({', '.join(models)}) for {plan.engine} on {plan.device}, "
-          f"{plan.dtype}, max batch {plan.max_batch_size}, max input {plan.max_input_len}, "
-          f"max sequence {plan.max_seq_len} tokens.")
+    print(
+        f"Rendered {build_dir / 'model_repository'} ({', '.join(models)}) for {plan.engine} on {plan.device}, "
+        f"{plan.dtype}, max batch {plan.max_batch_size}, max input {plan.max_input_len}, "
+        f"max sequence {plan.max_seq_len} tokens."
+    )
     return 0

@@ -111,7 +111,7 @@ class Detokenizer:
 
     def decode_batch(self, sequences: Sequence[Sequence[int]]) -> list[str]:
         texts = self.tokenizer.batch_decode([list(s) for s in sequences], skip_special_tokens=self.skip_special_tokens)
-        return [self.decode(s) if t.endswith(REPLACEMENT) else t for s, t in zip(sequences, texts)]
+        return [self.decode(s) if t.endswith(REPLACEMENT) else t for s, t in zip(sequences, texts, strict=True)]
 
 
 def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
@@ -135,11 +135,17 @@ class Postprocessor:
                 lengths = lengths.reshape(tokens.shape[0], -1)
                 stops_array = arrays.get("STOP_WORDS")
                 texts = self.detokenizer.decode_batch(
-                    [tokens[b, k, : lengths[b, k]].tolist() for b in range(tokens.shape[0]) for k in range(tokens.shape[1])]
+                    [
+                        tokens[b, k, : lengths[b, k]].tolist()
+                        for b in range(tokens.shape[0])
+                        for k in range(tokens.shape[1])
+                    ]
                 )
                 if stops_array is not None:
                     rows = stops_array.reshape(stops_array.shape[0], -1)
-                    per_row = [[as_text(v, "stop_words") for v in rows[b % rows.shape[0]]] for b in range(tokens.shape[0])]
+                    per_row = [
+                        [as_text(v, "stop_words") for v in rows[b % rows.shape[0]]] for b in range(tokens.shape[0])
+                    ]
                     texts = [truncate_at_stop(t, per_row[i // tokens.shape[1]]) for i, t in enumerate(texts)]
                 output = np.array([t.encode() for t in texts], dtype=object).reshape(tokens.shape[0], tokens.shape[1])
                 results.append({"OUTPUT": output})

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
@@ -47,8 +48,13 @@ class SamplingParams:
     def as_kwargs(self) -> dict:
         if not self.sample:
             return {}
-        return {"sample": True, "temperature": self.temperature, "top_k": self.top_k,
-                "top_p": self.top_p, "seed": self.seed}
+        return {
+            "sample": True,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
 
 
 @dataclass(frozen=True)
@@ -92,8 +98,8 @@ class _Active:
 class BadWordsProcessor(ContinuousBatchingLogitsProcessor):
     """Bans, per request, the last token of each bad word sequence whose other tokens were just generated."""
 
-    supported_kwargs = {"bad_words": tuple}
-    ignored_kwargs = ()
+    supported_kwargs: ClassVar[dict[str, type]] = {"bad_words": tuple}
+    ignored_kwargs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._bans: list[tuple[int, list[int]]] = []
@@ -120,7 +126,7 @@ class BadWordsProcessor(ContinuousBatchingLogitsProcessor):
 
 
 def _ends_with(tokens: list[int], suffix: tuple[int, ...]) -> bool:
-    return len(tokens) >= len(suffix) and tuple(tokens[len(tokens) - len(suffix):]) == suffix
+    return len(tokens) >= len(suffix) and tuple(tokens[len(tokens) - len(suffix) :]) == suffix
 
 
 @dataclass(frozen=True)
@@ -261,7 +267,7 @@ class PortableEngine:
             return
         request = active.request
         reason = None
-        for token in output.generated_tokens[active.seen:]:
+        for token in output.generated_tokens[active.seen :]:
             active.seen += 1
             if token == request.end_id:
                 reason = FINISH_END_ID
@@ -279,7 +285,7 @@ class PortableEngine:
         if reason is not None:
             self._drop(request_id, active, reason)
         elif request.streaming and len(active.tokens) > active.sent:
-            new = active.tokens[active.sent:]
+            new = active.tokens[active.sent :]
             active.sent = len(active.tokens)
             active.emit(Emission(new))
 
@@ -298,7 +304,7 @@ class PortableEngine:
 
 
 def _finish(active: _Active, reason: str, error: str | None = None) -> None:
-    tokens = active.tokens[active.sent:] if active.request.streaming else active.tokens
+    tokens = active.tokens[active.sent :] if active.request.streaming else active.tokens
     active.sent = len(active.tokens)
     active.emit(Emission(list(tokens), reason, error))
 

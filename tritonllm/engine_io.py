@@ -52,7 +52,9 @@ def parse_requests(arrays: dict[str, np.ndarray], limits: Limits) -> list[Genera
         length = scalar(arrays, "input_lengths", row)
         length = ids.shape[1] if length is None else int(length)
         if not 1 <= length <= ids.shape[1]:
-            raise InputError("input_lengths", f"must be between 1 and {ids.shape[1]} (the input_ids given), got {length}")
+            raise InputError(
+                "input_lengths", f"must be between 1 and {ids.shape[1]} (the input_ids given), got {length}"
+            )
         if length > limits.max_input_len:
             raise InputError("input_ids", f"{length} tokens, over the maximum input length of {limits.max_input_len}")
         prompt = ids[row, :length].tolist()

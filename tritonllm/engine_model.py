@@ -78,13 +78,17 @@ class EngineModel:
                 arrays = input_arrays(request)
                 rows = parse_requests(arrays, self.limits)
                 pad = arrays.get("pad_id")
-                call = _Call(sender, rows, exclude_input(arrays, self.exclude_input), int(pad.flat[0]) if pad is not None else 0)
+                call = _Call(
+                    sender, rows, exclude_input(arrays, self.exclude_input), int(pad.flat[0]) if pad is not None else 0
+                )
             except Exception as exc:
                 sender.send(error_response(exc), flags=FINAL)
                 continue
             self._live[id(call)] = call
             for row, generation in enumerate(rows):
-                call.engine_ids.append(self.engine.submit(generation, lambda e, c=call, r=row: self._on_emission(c, r, e)))
+                call.engine_ids.append(
+                    self.engine.submit(generation, lambda e, c=call, r=row: self._on_emission(c, r, e))
+                )
         return None
 
     def _on_emission(self, call: _Call, row: int, emission: Emission) -> None:
@@ -134,7 +138,9 @@ class EngineModel:
         if outputs is None:
             call.sender.send(flags=FINAL)
         else:
-            call.sender.send(pb_utils.InferenceResponse(output_tensors=to_tensors(outputs)), flags=FINAL if final else 0)
+            call.sender.send(
+                pb_utils.InferenceResponse(output_tensors=to_tensors(outputs)), flags=FINAL if final else 0
+            )
 
     def _close(self, call: _Call) -> None:
         call.closed = True
@@ -152,4 +158,3 @@ class EngineModel:
         self.engine.shutdown()
         self._running = False
         self._sender_thread.join(timeout=5)
-

@@ -50,9 +50,7 @@ def resolve_model(model: str | None, build_dir: Path) -> Path:
     if source.suffix == ".gguf" and source.is_file():
         return convert_gguf(source.resolve(), build_dir / "models" / source.stem)
     if source.exists():
-        raise ModelSourceError(
-            f"MODEL={source}: expected a Hugging Face folder (with config.json) or a .gguf file."
-        )
+        raise ModelSourceError(f"MODEL={source}: expected a Hugging Face folder (with config.json) or a .gguf file.")
     raise ModelSourceError(
         f"MODEL={source}: no such file or folder. Nothing is downloaded at run time: give a local "
         "Hugging Face folder or a .gguf file (download it first with `hf download <id> --local-dir DIR`)."

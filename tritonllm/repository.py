@@ -96,9 +96,8 @@ def check_ensembles(configs: dict[str, mc.ModelConfig]) -> None:
                 if tensor not in produced:
                     raise RepositoryError(f"{at}: input '{key}' reads '{tensor}', which nothing before it produces")
                 if produced[tensor] != inputs[key].data_type:
-                    raise RepositoryError(
-                        f"{at}: input '{key}' is {_dtype(inputs[key].data_type)} but '{tensor}' is {_dtype(produced[tensor])}"
-                    )
+                    want, have = _dtype(inputs[key].data_type), _dtype(produced[tensor])
+                    raise RepositoryError(f"{at}: input '{key}' is {want} but '{tensor}' is {have}")
             missing = [n for n, t in inputs.items() if not t.optional and n not in step.input_map]
             if missing:
                 raise RepositoryError(f"{at}: required inputs {missing} are not mapped")
@@ -111,9 +110,8 @@ def check_ensembles(configs: dict[str, mc.ModelConfig]) -> None:
             if output.name not in produced:
                 raise RepositoryError(f"{where}: output '{output.name}' is produced by no step")
             if produced[output.name] != output.data_type:
-                raise RepositoryError(
-                    f"{where}: output '{output.name}' is {_dtype(output.data_type)} but its step gives {_dtype(produced[output.name])}"
-                )
+                want, have = _dtype(output.data_type), _dtype(produced[output.name])
+                raise RepositoryError(f"{where}: output '{output.name}' is {want} but its step gives {have}")
 
 
 def write_repository(values: dict[str, str], out_dir: Path, templates: Path = TEMPLATES) -> list[str]:

@@ -10,6 +10,8 @@ Greedy rows are untouched, so greedy output is exactly `generate(do_sample=False
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingLogitsProcessor,
@@ -26,9 +28,7 @@ def _step_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def sample_row(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
-) -> int:
+def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator) -> int:
     """Draw one token id from a 1-D row of logits with temperature, top-k and top-p (nucleus) filtering."""
     scores = logits.float() / temperature
     if 0 < top_k < scores.numel():
@@ -53,8 +53,14 @@ class SamplingProcessor(ContinuousBatchingLogitsProcessor):
     when CUDA graphs and async batching are off (the engine turns them off).
     """
 
-    supported_kwargs = {"sample": bool, "temperature": float, "top_k": int, "top_p": float, "seed": int}
-    ignored_kwargs = ()
+    supported_kwargs: ClassVar[dict[str, type]] = {
+        "sample": bool,
+        "temperature": float,
+        "top_k": int,
+        "top_p": float,
+        "seed": int,
+    }
+    ignored_kwargs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
         self._rows: list[tuple[int, float, int, float, int]] = []

@@ -41,20 +41,26 @@ def prepare_backends(work_dir: Path) -> Path:
         raise ServerError(f"tritonserver's Python backend has no stub for Python {version}; use Python 3.8 to 3.13.")
     python_backend = work_dir / "backends" / "python"
     python_backend.mkdir(parents=True, exist_ok=True)
+    # Written aside, then renamed into place: a server already running from this folder keeps its files.
     for item in (server_root / "backends" / "python").iterdir():
         if item.is_file():
-            target = python_backend / item.name
-            target.unlink(missing_ok=True)
-            target.symlink_to(item)
-    shutil.copy2(stub, python_backend / stub.name)
-    (python_backend / stub.name).chmod(0o755)
+            staged = python_backend / f".{item.name}.{os.getpid()}"
+            staged.unlink(missing_ok=True)
+            staged.symlink_to(item)
+            os.replace(staged, python_backend / item.name)
+    staged = python_backend / f".{stub.name}.{os.getpid()}"
+    shutil.copy2(stub, staged)
+    staged.chmod(0o755)
+    os.replace(staged, python_backend / stub.name)
     return work_dir / "backends"
 
 
 def server_env() -> dict[str, str]:
     env = dict(os.environ)
     libs = [sysconfig.get_config_var("LIBDIR") or "", str(pytriton_root().parent / "nvidia_pytriton.libs")]
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([p for p in libs if p] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([p for p in libs if p] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(
+        os.pathsep
+    )
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
@@ -78,9 +84,12 @@ class TritonServer:
             str(binary),
             f"--model-repository={self.repository}",
             f"--backend-directory={prepare_backends(self.work_dir)}",
-            f"--http-address={self.host}", f"--http-port={self.http_port}",
-            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
-            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
             "--disable-auto-complete-config",
             "--exit-on-error=true",
         ]
@@ -101,7 +110,10 @@ class TritonServer:
         output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
         self._output = output
         self.process = subprocess.Popen(
-            self.command(), env=server_env(), stdout=output, stderr=subprocess.STDOUT if output else None,
+            self.command(),
+            env=server_env(),
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
             start_new_session=True,
         )
         self.wait_ready(timeout)
@@ -111,7 +123,9 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 where = f" (see {self.log_file})" if self.log_file else ""
-                raise ServerError(f"tritonserver exited with code {self.process.returncode} while loading models{where}")
+                raise ServerError(
+                    f"tritonserver exited with code {self.process.returncode} while loading models{where}"
+                )
             if self.is_ready():
                 return
             time.sleep(0.5)

@@ -165,7 +165,9 @@ class Preprocessor:
         for chat, (keys, texts) in groups.items():
             if texts:
                 add_special = self.add_special_tokens and not chat
-                for (index, row), ids in zip(keys, self.tokenizer(texts, add_special_tokens=add_special)["input_ids"]):
+                for (index, row), ids in zip(
+                    keys, self.tokenizer(texts, add_special_tokens=add_special)["input_ids"], strict=True
+                ):
                     per_request.setdefault(index, {})[row] = ids
         for index, arrays in enumerate(requests):
             if isinstance(results[index], InputError):
@@ -183,7 +185,8 @@ class Preprocessor:
         for row, ids in enumerate(prompts):
             if len(ids) > limits.max_input_len:
                 raise InputError(
-                    "text_input", f"the prompt is {len(ids)} tokens, over the maximum input length of {limits.max_input_len}"
+                    "text_input",
+                    f"the prompt is {len(ids)} tokens, over the maximum input length of {limits.max_input_len}",
                 )
             max_tokens = scalar(arrays, "REQUEST_OUTPUT_LEN", row)
             if max_tokens is None:
@@ -195,7 +198,9 @@ class Preprocessor:
                     f"must be between 1 and {room} for this prompt of {len(ids)} tokens "
                     f"(max sequence length {limits.max_seq_len}), got {max_tokens}",
                 )
-            check_sampling(scalar(arrays, "TEMPERATURE", row), scalar(arrays, "TOP_K", row), scalar(arrays, "TOP_P", row))
+            check_sampling(
+                scalar(arrays, "TEMPERATURE", row), scalar(arrays, "TOP_K", row), scalar(arrays, "TOP_P", row)
+            )
             lengths.append(len(ids))
             output_lens.append(max_tokens)
             end_ids.append(self._token_id(arrays, "END_ID", "end_id", row, self.end_id))

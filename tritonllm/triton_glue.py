@@ -41,7 +41,9 @@ def error_response(exc: BaseException):
     if isinstance(exc, InputError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
     log.exception("internal error", exc_info=exc)
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"internal error: {exc}", pb_utils.TritonError.INTERNAL))
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError(f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+    )
 
 
 def requested_outputs(request) -> set[str] | None:
@@ -56,7 +58,8 @@ def run_batch(requests: Sequence, process: Callable[[list[dict[str, np.ndarray]]
     except Exception as exc:  # a bug must fail these requests, not the model
         return [error_response(exc) for _ in requests]
     return [
-        error_response(result) if isinstance(result, Exception)
+        error_response(result)
+        if isinstance(result, Exception)
         else pb_utils.InferenceResponse(output_tensors=to_tensors(result, requested_outputs(request)))
-        for request, result in zip(requests, results)
+        for request, result in zip(requests, results, strict=True)
     ]

@@ -1,0 +1,74 @@
+"""Shared fixtures: the built model (from `make build`) and a real tritonserver on free loopback ports."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "build"
+
+
+def _manifest() -> dict:
+    path = BUILD / "manifest.json"
+    if not path.is_file():
+        pytest.exit("build/manifest.json is missing: run `make build` (make test does it).", returncode=2)
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="session")
+def manifest() -> dict:
+    return _manifest()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(manifest):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(manifest["tokenizer_dir"])
+
+
+@pytest.fixture(scope="session")
+def hf_model(manifest):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(manifest["model_dir"], dtype=getattr(torch, manifest["dtype"]))
+    return model.eval()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One tritonserver for the integration tests, on the repository `make build` rendered."""
+    from tritonllm.server import TritonServer
+
+    _manifest()
+    log = tmp_path_factory.mktemp("triton") / "server.log"
+    triton = TritonServer(
+        BUILD / "model_repository",
+        BUILD / "tritonserver",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        log_file=log,
+    )
+    try:
+        triton.start(timeout=600)
+    except Exception:
+        print(log.read_text()[-5000:] if log.exists() else "(no log)")
+        triton.stop()
+        raise
+    yield triton
+    code = triton.stop()
+    text = log.read_text()
+    assert "Traceback" not in text, f"a model raised in the server; log tail:\n{text[-5000:]}"
+    assert code == 0, f"tritonserver exited with {code}; log tail:\n{text[-3000:]}"

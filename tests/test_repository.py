@@ -1,0 +1,128 @@
+"""Rendering model_repository/ templates: a broken repository is refused, naming the model and field."""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tritonllm.build import BuildPlan
+from tritonllm.repository import TEMPLATES, RepositoryError, render_configs, write_repository
+
+PLAN = BuildPlan(
+    engine="portable",
+    model_dir="/models/m",
+    device="cpu",
+    dtype="float32",
+    max_batch_size=8,
+    max_input_len=96,
+    max_seq_len=128,
+    vocab_size=1000,
+    kv_cache_tokens=1024,
+    max_batch_tokens=64,
+)
+VALUES = PLAN.template_values()
+
+
+@pytest.fixture
+def templates(tmp_path) -> Path:
+    copy = tmp_path / "templates"
+    shutil.copytree(TEMPLATES, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def test_renders_every_model_with_derived_values():
+    configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
+    assert set(configs) == {"preprocessing", "tensorrt_llm", "tensorrt_llm_bridge", "postprocessing", "ensemble"}
+    assert all(c.max_batch_size == 8 for c in configs.values())
+    assert configs["tensorrt_llm"].model_transaction_policy.decoupled
+    assert not configs["tensorrt_llm_bridge"].model_transaction_policy.decoupled
+    assert configs["tensorrt_llm"].parameters["model_dir"].string_value == "/models/m"
+    assert configs["preprocessing"].parameters["max_input_len"].string_value == "96"
+
+
+def test_bridge_and_engine_share_their_tensors():
+    configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
+    assert list(configs["tensorrt_llm"].input) == list(configs["tensorrt_llm_bridge"].input)
+    assert list(configs["tensorrt_llm"].output) == list(configs["tensorrt_llm_bridge"].output)
+
+
+def test_write_repository(tmp_path):
+    out = tmp_path / "repo"
+    models = write_repository(VALUES, out)
+    for name in models:
+        assert (out / name / "config.pbtxt").is_file() and (out / name / "1").is_dir()
+        assert "${" not in (out / name / "config.pbtxt").read_text()
+    assert (out / "preprocessing" / "1" / "model.py").is_file()
+
+
+@pytest.mark.parametrize(
+    ("model", "old", "new", "message"),
+    [
+        (
+            "preprocessing",
+            "${tokenizer_dir}",
+            "${tokenizer_folder}",
+            r"preprocessing/config.pbtxt: placeholder \$\{tokenizer_folder\}",
+        ),
+        (
+            "postprocessing",
+            "data_type: TYPE_STRING",
+            "data_type: TYPE_TEXT",
+            r"postprocessing/config.pbtxt: not a valid Triton model config",
+        ),
+        ("postprocessing", 'name: "postprocessing"', 'name: "postproc"', "expected the folder name"),
+        (
+            "ensemble",
+            'value: "_TOKENS_BATCH"',
+            'value: "_TOKENS"',
+            "input 'TOKENS_BATCH' reads '_TOKENS_BATCH', which nothing before it produces",
+        ),
+        ("ensemble", 'key: "STOP_WORDS_DICT"', 'key: "STOP_WORDS"', "'STOP_WORDS' is not an input of preprocessing"),
+        (
+            "ensemble",
+            'input_map { key: "REQUEST_OUTPUT_LEN" value: "max_tokens" }',
+            "",
+            r"required inputs \['REQUEST_OUTPUT_LEN'\]",
+        ),
+        ("ensemble", 'model_name: "tensorrt_llm_bridge"', 'model_name: "tensorrt_llm"', "decoupled"),
+        ("ensemble", 'model_name: "postprocessing"', 'model_name: "detokenizer"', "no model named 'detokenizer'"),
+        (
+            "ensemble",
+            '{ name: "top_k" data_type: TYPE_INT32',
+            '{ name: "top_k" data_type: TYPE_FP32',
+            "'TOP_K' is TYPE_INT32 but 'top_k' is TYPE_FP32",
+        ),
+        (
+            "ensemble",
+            'output_map { key: "OUTPUT" value: "text_output" }',
+            'output_map { key: "OUTPUT" value: "text" }',
+            "output 'text_output' is produced by no step",
+        ),
+    ],
+)
+def test_broken_templates_are_refused(templates, tmp_path, model, old, new, message):
+    edit(templates / model / "config.pbtxt", old, new)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sentinel").write_text("previous build")
+    with pytest.raises(RepositoryError, match=message):
+        write_repository(VALUES, out, templates)
+    assert (out / "sentinel").read_text() == "previous build", "a failed render must not touch the old repository"
+
+
+def test_unused_value_is_refused():
+    with pytest.raises(RepositoryError, match=re.escape("values ['typo_value'] are used by no template")):
+        render_configs({**VALUES, "typo_value": "1"})
+
+
+def test_batch_size_above_a_step_is_refused(templates):
+    edit(templates / "postprocessing" / "config.pbtxt", "max_batch_size: ${triton_max_batch_size}", "max_batch_size: 2")
+    with pytest.raises(RepositoryError, match="max_batch_size 2 is below the ensemble's 8"):
+        render_configs(VALUES, templates)
