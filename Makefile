@@ -44,6 +44,7 @@ unit: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf $(BUILD_DIR)

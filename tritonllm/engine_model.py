@@ -21,7 +21,16 @@ from tritonllm.engine import FINISH_CANCELLED, Emission, EngineConfig, Generatio
 from tritonllm.engine_io import exclude_input, pack_outputs, parse_requests
 from tritonllm.text_models import flag
 from tritonllm.tokenization import Limits
-from tritonllm.triton_glue import FINAL, error_response, input_arrays, log, model_config, parameters, to_tensors
+from tritonllm.triton_glue import (
+    FINAL,
+    error_response,
+    input_arrays,
+    log_exception,
+    log_info,
+    model_config,
+    parameters,
+    to_tensors,
+)
 
 CANCEL_CHECK_SECONDS = 0.2
 
@@ -64,7 +73,7 @@ class EngineModel:
         started = time.perf_counter()
         # The batching manager's first step is slow (allocation, kernel selection): pay it now.
         self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)
-        log.info("tensorrt_llm: portable engine on %s warmed up in %.1f s", device, time.perf_counter() - started)
+        log_info(f"tensorrt_llm: portable engine on {device} warmed up in {time.perf_counter() - started:.1f} s")
         self._outbox: queue.Queue = queue.Queue()
         self._live: dict[int, _Call] = {}
         self._running = True
@@ -115,7 +124,7 @@ class EngineModel:
             except queue.Empty:
                 pass
             except Exception:  # never let one response stop the others
-                log.exception("tensorrt_llm: sending a response failed")
+                log_exception("tensorrt_llm: sending a response failed")
             if time.monotonic() >= next_check:
                 self._check_cancelled()
                 next_check = time.monotonic() + CANCEL_CHECK_SECONDS

@@ -71,7 +71,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    print(f"Converting {gguf.name} into a Hugging Face folder at {out_dir} (once; ~20 s) ...", flush=True)
+    print(f"Converting {gguf.name} into a Hugging Face folder at {out_dir} (once, about a minute) ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # save_pretrained refuses a GGUF-loaded model; a fresh model of the same config takes its weights.

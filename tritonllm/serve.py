@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         repository, repository.parent / "tritonserver", args.http_port, args.grpc_port, args.metrics_port, args.host
     )
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         print(f"Starting tritonserver on {repository} ...", flush=True)
         server.start(timeout=args.load_timeout)

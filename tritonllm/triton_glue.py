@@ -6,7 +6,7 @@ Imported only inside tritonserver's Python-backend stub, where `triton_python_ba
 from __future__ import annotations
 
 import json
-import logging
+import traceback
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -15,7 +15,15 @@ import triton_python_backend_utils as pb_utils
 from tritonllm.errors import InputError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-log = logging.getLogger("tritonllm")
+
+
+def log_info(message: str) -> None:
+    """Into tritonserver's own log, with its timestamps."""
+    pb_utils.Logger.log_info(message)
+
+
+def log_exception(message: str) -> None:
+    pb_utils.Logger.log_error(f"{message}\n{traceback.format_exc()}")
 
 
 def model_config(args: dict) -> dict:
@@ -40,7 +48,7 @@ def error_response(exc: BaseException):
     """INVALID_ARG (HTTP 400) for a client's mistake, INTERNAL for ours."""
     if isinstance(exc, InputError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
-    log.exception("internal error", exc_info=exc)
+    pb_utils.Logger.log_error("".join(traceback.format_exception(exc)))
     return pb_utils.InferenceResponse(
         error=pb_utils.TritonError(f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
     )
