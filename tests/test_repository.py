@@ -39,7 +39,14 @@ def edit(path: Path, old: str, new: str) -> None:
 
 def test_renders_every_model_with_derived_values():
     configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
-    assert set(configs) == {"preprocessing", "tensorrt_llm", "tensorrt_llm_bridge", "postprocessing", "ensemble"}
+    assert set(configs) == {
+        "preprocessing",
+        "tensorrt_llm",
+        "tensorrt_llm_bridge",
+        "postprocessing",
+        "ensemble",
+        "tensorrt_llm_bls",
+    }
     assert all(c.max_batch_size == 8 for c in configs.values())
     assert configs["tensorrt_llm"].model_transaction_policy.decoupled
     assert not configs["tensorrt_llm_bridge"].model_transaction_policy.decoupled
@@ -51,6 +58,13 @@ def test_bridge_and_engine_share_their_tensors():
     configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
     assert list(configs["tensorrt_llm"].input) == list(configs["tensorrt_llm_bridge"].input)
     assert list(configs["tensorrt_llm"].output) == list(configs["tensorrt_llm_bridge"].output)
+
+
+def test_streaming_model_has_the_ensembles_tensors():
+    configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
+    assert list(configs["ensemble"].input) == list(configs["tensorrt_llm_bls"].input)
+    assert list(configs["ensemble"].output) == list(configs["tensorrt_llm_bls"].output)
+    assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled
 
 
 def test_write_repository(tmp_path):
@@ -94,7 +108,7 @@ def test_write_repository(tmp_path):
         ("ensemble", 'model_name: "tensorrt_llm_bridge"', 'model_name: "tensorrt_llm"', "decoupled"),
         ("ensemble", 'model_name: "postprocessing"', 'model_name: "detokenizer"', "no model named 'detokenizer'"),
         (
-            "ensemble",
+            "_shared/text_io.pbtxt",
             '{ name: "top_k" data_type: TYPE_INT32',
             '{ name: "top_k" data_type: TYPE_FP32',
             "'TOP_K' is TYPE_INT32 but 'top_k' is TYPE_FP32",
@@ -108,7 +122,7 @@ def test_write_repository(tmp_path):
     ],
 )
 def test_broken_templates_are_refused(templates, tmp_path, model, old, new, message):
-    edit(templates / model / "config.pbtxt", old, new)
+    edit(templates / model if model.endswith(".pbtxt") else templates / model / "config.pbtxt", old, new)
     out = tmp_path / "out"
     out.mkdir()
     (out / "sentinel").write_text("previous build")

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.triton_glue import FINAL, error_response, input_arrays, model_config, parameters
+from tritonllm.triton_glue import FINAL, error_response, input_arrays, model_config, parameters, raise_if_error
 
 
 class BridgeModel:
@@ -49,10 +49,7 @@ class BridgeModel:
             )
             answer = None
             for response in engine_request.exec(decoupled=True):
-                if response.has_error():
-                    error = response.error()
-                    answer = pb_utils.InferenceResponse(error=pb_utils.TritonError(error.message(), error.code()))
-                    break
+                raise_if_error(response)
                 if response.output_tensors():
                     answer = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
             if answer is None:

@@ -114,14 +114,36 @@ class Detokenizer:
         return [self.decode(s) if t.endswith(REPLACEMENT) else t for s, t in zip(sequences, texts, strict=True)]
 
 
+FINISH_STOP = "stop"  # a stop string appeared
+FINISH_LENGTH = "length"  # max_tokens reached
+FINISH_EOS = "eos"  # the model ended the sequence (end_id)
+
+
+def finish_reason(stopped: bool, num_tokens: int, max_tokens: int | None) -> str:
+    if stopped:
+        return FINISH_STOP
+    if max_tokens is not None and num_tokens >= max_tokens:
+        return FINISH_LENGTH
+    return FINISH_EOS
+
+
+def stop_index(text: str, stops: Sequence[str]) -> int:
+    """Where the earliest stop string starts in `text`, or -1."""
+    return min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+
+
 def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
     """The text before the earliest occurrence of any stop string."""
-    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=len(text))
-    return text[:cut]
+    cut = stop_index(text, stops)
+    return text if cut < 0 else text[:cut]
 
 
 class Postprocessor:
-    """TOKENS_BATCH [batch, beam, tokens] + SEQUENCE_LENGTH [batch, beam] -> OUTPUT [batch, beam] text."""
+    """TOKENS_BATCH [batch, beam, tokens] + SEQUENCE_LENGTH [batch, beam] -> OUTPUT and FINISH_REASON [batch, beam].
+
+    Optional: STOP_WORDS (the client's strings; the text is cut before the first one) and
+    REQUEST_OUTPUT_LEN (the client's max_tokens, to tell "length" from "eos").
+    """
 
     def __init__(self, detokenizer: Detokenizer) -> None:
         self.detokenizer = detokenizer
@@ -130,25 +152,38 @@ class Postprocessor:
         results = []
         for arrays in requests:
             try:
-                tokens, lengths = arrays["TOKENS_BATCH"], arrays["SEQUENCE_LENGTH"]
-                tokens = tokens.reshape(tokens.shape[0], -1, tokens.shape[-1])
-                lengths = lengths.reshape(tokens.shape[0], -1)
-                stops_array = arrays.get("STOP_WORDS")
-                texts = self.detokenizer.decode_batch(
-                    [
-                        tokens[b, k, : lengths[b, k]].tolist()
-                        for b in range(tokens.shape[0])
-                        for k in range(tokens.shape[1])
-                    ]
-                )
-                if stops_array is not None:
-                    rows = stops_array.reshape(stops_array.shape[0], -1)
-                    per_row = [
-                        [as_text(v, "stop_words") for v in rows[b % rows.shape[0]]] for b in range(tokens.shape[0])
-                    ]
-                    texts = [truncate_at_stop(t, per_row[i // tokens.shape[1]]) for i, t in enumerate(texts)]
-                output = np.array([t.encode() for t in texts], dtype=object).reshape(tokens.shape[0], tokens.shape[1])
-                results.append({"OUTPUT": output})
+                results.append(self._one(arrays))
             except InputError as exc:
                 results.append(exc)
         return results
+
+    def _one(self, arrays: dict) -> dict:
+        tokens = arrays["TOKENS_BATCH"]
+        batch, beams = tokens.shape[0], (tokens.shape[1] if tokens.ndim == 3 else 1)
+        tokens = tokens.reshape(batch, beams, -1)
+        lengths = arrays["SEQUENCE_LENGTH"].reshape(batch, beams)
+        stops = _per_row(arrays.get("STOP_WORDS"), batch, lambda v: as_text(v, "stop_words"))
+        max_tokens = _per_row(arrays.get("REQUEST_OUTPUT_LEN"), batch, int)
+        texts = self.detokenizer.decode_batch(
+            [tokens[b, k, : lengths[b, k]].tolist() for b in range(batch) for k in range(beams)]
+        )
+        outputs, reasons = [], []
+        for i, text in enumerate(texts):
+            b, k = divmod(i, beams)
+            cut = stop_index(text, stops[b]) if stops else -1
+            outputs.append((text if cut < 0 else text[:cut]).encode())
+            limit = max_tokens[b][0] if max_tokens else None
+            reasons.append(finish_reason(cut >= 0, int(lengths[b, k]), limit).encode())
+        shape = (batch, beams)
+        return {
+            "OUTPUT": np.array(outputs, dtype=object).reshape(shape),
+            "FINISH_REASON": np.array(reasons, dtype=object).reshape(shape),
+        }
+
+
+def _per_row(array: np.ndarray | None, batch: int, convert) -> list[list] | None:
+    """An optional [batch, n] input as one list per row (a single row applies to all)."""
+    if array is None:
+        return None
+    rows = array.reshape(array.shape[0], -1)
+    return [[convert(v) for v in rows[b % rows.shape[0]]] for b in range(batch)]

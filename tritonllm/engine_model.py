@@ -19,8 +19,9 @@ import triton_python_backend_utils as pb_utils
 
 from tritonllm.engine import FINISH_CANCELLED, Emission, EngineConfig, GenerationRequest, PortableEngine
 from tritonllm.engine_io import exclude_input, pack_outputs, parse_requests
+from tritonllm.errors import InputError
 from tritonllm.text_models import flag
-from tritonllm.tokenization import Limits
+from tritonllm.tokenization import Limits, scalar
 from tritonllm.triton_glue import (
     FINAL,
     error_response,
@@ -40,6 +41,7 @@ class _Call:
     """One Triton request: one or more engine requests (one per batch row) and its response sender."""
 
     sender: object
+    request_id: str  # the client's request id ("" when none), the key of `stop` requests
     requests: list[GenerationRequest]
     exclude_input: bool
     pad_id: int
@@ -76,6 +78,15 @@ class EngineModel:
         log_info(f"tensorrt_llm: portable engine on {device} warmed up in {time.perf_counter() - started:.1f} s")
         self._outbox: queue.Queue = queue.Queue()
         self._live: dict[int, _Call] = {}
+        # The family must outlive its metrics: keep both.
+        self._metric_family = pb_utils.MetricFamily(
+            name="tritonllm_engine_requests_in_flight",
+            description="Requests submitted to the engine and not finished (running or waiting for a batch slot)",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self._in_flight = self._metric_family.Metric(
+            labels={"model": args["model_name"], "version": args["model_version"]}
+        )
         self._running = True
         self._sender_thread = threading.Thread(target=self._send_loop, name="tensorrt_llm-sender", daemon=True)
         self._sender_thread.start()
@@ -85,11 +96,13 @@ class EngineModel:
             sender = request.get_response_sender()
             try:
                 arrays = input_arrays(request)
+                if scalar(arrays, "stop", 0):
+                    self._stop(request.request_id(), sender)
+                    continue
                 rows = parse_requests(arrays, self.limits)
                 pad = arrays.get("pad_id")
-                call = _Call(
-                    sender, rows, exclude_input(arrays, self.exclude_input), int(pad.flat[0]) if pad is not None else 0
-                )
+                pad_id = int(pad.flat[0]) if pad is not None else 0
+                call = _Call(sender, request.request_id(), rows, exclude_input(arrays, self.exclude_input), pad_id)
             except Exception as exc:
                 sender.send(error_response(exc), flags=FINAL)
                 continue
@@ -99,6 +112,16 @@ class EngineModel:
                     self.engine.submit(generation, lambda e, c=call, r=row: self._on_emission(c, r, e))
                 )
         return None
+
+    def _stop(self, request_id: str, sender) -> None:
+        """TensorRT-LLM's `stop` input: end the in-flight requests that carry this request id."""
+        if not request_id:
+            raise InputError("stop", "a stop request must carry the id of the request to stop")
+        for call in list(self._live.values()):
+            if call.request_id == request_id:
+                for engine_id in call.engine_ids:
+                    self.engine.cancel(engine_id)
+        sender.send(flags=FINAL)
 
     def _on_emission(self, call: _Call, row: int, emission: Emission) -> None:
         """From the engine's thread: queue what to send, never block."""
@@ -126,7 +149,11 @@ class EngineModel:
             except Exception:  # never let one response stop the others
                 log_exception("tensorrt_llm: sending a response failed")
             if time.monotonic() >= next_check:
-                self._check_cancelled()
+                try:
+                    self._check_cancelled()
+                    self._in_flight.set(self.engine.running())
+                except Exception:
+                    log_exception("tensorrt_llm: checking cancellations failed")
                 next_check = time.monotonic() + CANCEL_CHECK_SECONDS
 
     def _send(self, call: _Call, outputs: dict[str, np.ndarray] | None, emission: Emission) -> None:

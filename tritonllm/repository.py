@@ -44,6 +44,10 @@ def parse_config(text: str, where: str) -> mc.ModelConfig:
         raise RepositoryError(f"{where}: not a valid Triton model config: {exc}") from None
 
 
+def read_config(path: Path) -> mc.ModelConfig:
+    return parse_config(path.read_text(), str(path))
+
+
 def render_configs(values: dict[str, str], templates: Path = TEMPLATES) -> dict[str, tuple[str, mc.ModelConfig]]:
     """Model name -> (config text, parsed config), after all checks."""
     fragments = {p.stem: p.read_text() for p in sorted(templates.glob("_*/*.pbtxt"))}

@@ -99,6 +99,12 @@ class Preprocessor:
 
     def _prompt(self, arrays: dict[str, np.ndarray], row: int) -> tuple[str, bool]:
         """The text to tokenize, and whether the chat template made it."""
+        if scalar(arrays, "STREAM", row):
+            raise InputError(
+                "stream",
+                "the `ensemble` model answers once; to stream, call `tensorrt_llm_bls` with gRPC streaming "
+                "or POST /v2/models/tensorrt_llm_bls/generate_stream",
+            )
         query = arrays.get("QUERY")
         if query is None:
             raise InputError("text_input", "is required")

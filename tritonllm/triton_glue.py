@@ -44,8 +44,23 @@ def to_tensors(outputs: dict[str, np.ndarray], wanted: set[str] | None = None) -
     return [pb_utils.Tensor(name, array) for name, array in outputs.items() if wanted is None or name in wanted]
 
 
+class StepError(Exception):
+    """A model called through BLS answered with an error; it is passed on with its code."""
+
+    def __init__(self, error) -> None:
+        super().__init__(error.message())
+        self.error = error
+
+
+def raise_if_error(response) -> None:
+    if response.has_error():
+        raise StepError(response.error())
+
+
 def error_response(exc: BaseException):
-    """INVALID_ARG (HTTP 400) for a client's mistake, INTERNAL for ours."""
+    """INVALID_ARG (HTTP 400) for a client's mistake, INTERNAL for ours, the callee's code for a BLS step."""
+    if isinstance(exc, StepError):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.error.message(), exc.error.code()))
     if isinstance(exc, InputError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
     pb_utils.Logger.log_error("".join(traceback.format_exception(exc)))

@@ -1,0 +1,182 @@
+"""Triton adapter of `tensorrt_llm_bls`: the ensemble's tensors, streamed.
+
+A decoupled step makes an ensemble decoupled, and a stateless postprocessing step cannot
+detokenize a stream correctly; so this decoupled model runs the pipeline itself, per request:
+`preprocessing` (BLS) -> `tensorrt_llm` with `streaming` (BLS, decoupled) -> a `TextStream` that
+holds the request's decode state. The first two steps are wired exactly as in the `ensemble`
+config, read at load time, so the two entry points cannot drift apart.
+
+Each request runs on a worker thread (`execute` returns at once). A client that cancels, or a
+stop string, ends the engine's work with TensorRT-LLM's `stop` request, which both engines honour.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from transformers import AutoTokenizer
+
+from tritonllm.detokenization import Detokenizer, finish_reason
+from tritonllm.errors import InputError
+from tritonllm.repository import read_config
+from tritonllm.text_models import flag
+from tritonllm.text_stream import TextStream
+from tritonllm.tokenization import as_text, scalar
+from tritonllm.triton_glue import (
+    FINAL,
+    error_response,
+    input_arrays,
+    log_exception,
+    model_config,
+    parameters,
+    raise_if_error,
+)
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class StreamingModel:
+    def initialize(self, args: dict) -> None:
+        config = model_config(args)
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise ValueError("tensorrt_llm_bls must be decoupled: set model_transaction_policy { decoupled: true }")
+        params = parameters(config)
+        repository = Path(args["model_repository"]).parent
+        ensemble = read_config(repository / params["ensemble_model_name"] / "config.pbtxt")
+        self.preprocess_step, self.engine_step = ensemble.ensemble_scheduling.step[:2]
+        self.engine_model = params["engine_model_name"]
+        tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
+        self.detokenizer = Detokenizer(tokenizer, flag(params["skip_special_tokens"]))
+        self.workers = ThreadPoolExecutor(int(params["max_inflight_requests"]), thread_name_prefix="bls")
+        # Engine request ids, unique per process: the key of `stop` requests (numeric, as TensorRT-LLM wants).
+        self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                arrays = input_arrays(request)
+                batch = arrays["text_input"].shape[0] if "text_input" in arrays else 1
+                if batch != 1:
+                    raise InputError("text_input", f"tensorrt_llm_bls takes one prompt per request, got {batch}")
+            except Exception as exc:
+                sender.send(error_response(exc), flags=FINAL)
+                continue
+            self.workers.submit(self._generate, arrays, sender)
+        return None
+
+    # ------------------------------------------------------------------ one request, on a worker thread
+
+    def _generate(self, arrays: dict[str, np.ndarray], sender) -> None:
+        try:
+            streaming = bool(scalar(arrays, "stream", 0))
+            tensors = dict(arrays)
+            tensors.update(self._preprocess(arrays))
+            stops = (
+                [as_text(v, "stop_words") for v in arrays["stop_words"].reshape(-1)] if "stop_words" in arrays else []
+            )
+            stream = TextStream(self.detokenizer, stops)
+            text = self._run_engine(tensors, stream, sender if streaming else None)
+            text += stream.finish()
+            max_tokens = int(scalar(arrays, "max_tokens", 0))
+            final = {
+                "text_output": np.array([[text.encode()]], dtype=object),
+                "finish_reason": np.array(
+                    [[finish_reason(stream.stopped, stream.num_tokens, max_tokens).encode()]], dtype=object
+                ),
+                "num_input_tokens": tensors["num_input_tokens"].reshape(1, 1).astype(np.int32),
+                "num_output_tokens": np.array([[stream.num_tokens]], dtype=np.int32),
+            }
+            response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in final.items()])
+        except _Cancelled:
+            response = pb_utils.InferenceResponse(
+                error=pb_utils.TritonError("request was cancelled", pb_utils.TritonError.CANCELLED)
+            )
+        except Exception as exc:
+            response = error_response(exc)
+        try:
+            sender.send(response, flags=FINAL)
+        except Exception:
+            log_exception("tensorrt_llm_bls: sending the final response failed")
+
+    def _preprocess(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The ensemble's first step; returns its outputs under their ensemble tensor names."""
+        step = self.preprocess_step
+        inputs = [
+            pb_utils.Tensor(key, arrays[name])
+            for key, name in step.input_map.items()
+            if name in arrays and key != "STREAM"
+        ]
+        request = pb_utils.InferenceRequest(
+            model_name=step.model_name, inputs=inputs, requested_output_names=list(step.output_map)
+        )
+        response = request.exec()
+        raise_if_error(response)
+        return {step.output_map[t.name()]: t.as_numpy() for t in response.output_tensors()}
+
+    def _run_engine(self, tensors: dict[str, np.ndarray], stream: TextStream, sender) -> str:
+        """Stream the engine's tokens through `stream`; send deltas when `sender` is given, else return the text."""
+        step = self.engine_step
+        inputs = [pb_utils.Tensor(key, tensors[name]) for key, name in step.input_map.items() if name in tensors]
+        inputs.append(pb_utils.Tensor("streaming", np.array([[True]])))
+        request_id = str(next(self._ids))
+        request = pb_utils.InferenceRequest(
+            model_name=self.engine_model,
+            inputs=inputs,
+            requested_output_names=["output_ids", "sequence_length"],
+            request_id=request_id,
+        )
+        collected: list[str] = []
+        stopping = cancelled = False
+        for response in request.exec(decoupled=True):
+            if stopping:
+                continue  # drain until the engine's final response
+            if response.has_error():
+                raise_if_error(response)
+            output = pb_utils.get_output_tensor_by_name(response, "output_ids")
+            if output is not None:
+                length = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
+                delta = stream.push(output.as_numpy().reshape(-1)[:length].tolist())
+                if delta and sender is not None:
+                    sender.send(
+                        pb_utils.InferenceResponse(
+                            [pb_utils.Tensor("text_output", np.array([[delta.encode()]], dtype=object))]
+                        )
+                    )
+                elif delta:
+                    collected.append(delta)
+            cancelled = sender is not None and sender.is_cancelled()
+            if stream.stopped or cancelled:
+                self._stop_engine(request_id)
+                stopping = True
+        if cancelled:
+            raise _Cancelled
+        return "".join(collected)
+
+    def _stop_engine(self, request_id: str) -> None:
+        """TensorRT-LLM's way to end a request early: a request with the same id and `stop` set."""
+        one = np.ones((1, 1), dtype=np.int32)
+        stop = pb_utils.InferenceRequest(
+            model_name=self.engine_model,
+            inputs=[
+                pb_utils.Tensor("input_ids", one),
+                pb_utils.Tensor("input_lengths", one),
+                pb_utils.Tensor("request_output_len", one),
+                pb_utils.Tensor("stop", np.array([[True]])),
+            ],
+            requested_output_names=["output_ids"],
+            request_id=request_id,
+        )
+        for response in stop.exec(decoupled=True):
+            if response.has_error():
+                log_exception(f"tensorrt_llm_bls: stopping engine request {request_id}: {response.error().message()}")
+
+    def finalize(self) -> None:
+        self.workers.shutdown(wait=True, cancel_futures=True)
