@@ -6,13 +6,19 @@ print(generate("What is the capital of France?", max_tokens=64))
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import queue
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 DEFAULT_URL = "127.0.0.1:8000"
+DEFAULT_GRPC_URL = "127.0.0.1:8001"
 
 
 class GenerationError(RuntimeError):
@@ -23,13 +29,7 @@ class GenerationError(RuntimeError):
         self.status = status
 
 
-def _input(name: str, value: np.ndarray, datatype: str) -> httpclient.InferInput:
-    tensor = httpclient.InferInput(name, list(value.shape), datatype)
-    tensor.set_data_from_numpy(value)
-    return tensor
-
-
-def build_inputs(
+def request_tensors(
     prompt: str,
     max_tokens: int,
     *,
@@ -40,12 +40,12 @@ def build_inputs(
     stop: Sequence[str] = (),
     bad_words: Sequence[str] = (),
     chat: bool = True,
-) -> list[httpclient.InferInput]:
-    """The ensemble's inputs for one prompt (batch of 1); optional inputs only when given."""
-    inputs = [
-        _input("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
-        _input("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
-        _input("apply_chat_template", np.array([[chat]], dtype=bool), "BOOL"),
+) -> list[tuple[str, np.ndarray, str]]:
+    """(name, value, Triton datatype) of the ensemble's inputs for one prompt; optional ones only when given."""
+    tensors = [
+        ("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
+        ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
+        ("apply_chat_template", np.array([[chat]], dtype=bool), "BOOL"),
     ]
     for name, value, dtype, datatype in (
         ("temperature", temperature, np.float32, "FP32"),
@@ -54,10 +54,20 @@ def build_inputs(
         ("seed", seed, np.uint64, "UINT64"),
     ):
         if value is not None:
-            inputs.append(_input(name, np.array([[value]], dtype=dtype), datatype))
+            tensors.append((name, np.array([[value]], dtype=dtype), datatype))
     for name, words in (("stop_words", stop), ("bad_words", bad_words)):
         if words:
-            inputs.append(_input(name, np.array([[w.encode() for w in words]], dtype=object), "BYTES"))
+            tensors.append((name, np.array([[w.encode() for w in words]], dtype=object), "BYTES"))
+    return tensors
+
+
+def _inputs(module, tensors: list[tuple[str, np.ndarray, str]]) -> list:
+    """tritonclient InferInput objects of `module` (http or grpc)."""
+    inputs = []
+    for name, value, datatype in tensors:
+        tensor = module.InferInput(name, list(value.shape), datatype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
     return inputs
 
 
@@ -70,11 +80,80 @@ def generate(
     timeout: float = 600.0,
     **options,
 ) -> str:
-    """Generate text for `prompt`; options are those of `build_inputs` (temperature, top_k, top_p, seed, stop,
+    """Generate text for `prompt`; options are those of `request_tensors` (temperature, top_k, top_p, seed, stop,
     bad_words, chat). Raises GenerationError with the server's message when the request is refused."""
     with httpclient.InferenceServerClient(url, connection_timeout=timeout, network_timeout=timeout) as triton:
         try:
-            result = triton.infer(model, build_inputs(prompt, max_tokens, **options))
+            result = triton.infer(model, _inputs(httpclient, request_tensors(prompt, max_tokens, **options)))
         except InferenceServerException as exc:
             raise GenerationError(exc.message(), exc.status()) from None
     return result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """A text delta; the last chunk of a stream also says why generation ended and how many tokens it took."""
+
+    text: str
+    finish_reason: str | None = None  # "stop", "length" or "eos" on the final chunk
+    num_input_tokens: int | None = None
+    num_output_tokens: int | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+
+def _scalar(result, name: str):
+    value = result.as_numpy(name)
+    return None if value is None else value.reshape(-1)[0]
+
+
+def stream(
+    prompt: str,
+    max_tokens: int = 128,
+    *,
+    url: str = DEFAULT_GRPC_URL,
+    model: str = "tensorrt_llm_bls",
+    timeout: float = 600.0,
+    **options,
+) -> Iterator[StreamChunk]:
+    """Yield the text as it is generated, over gRPC bidirectional streaming. Closing the generator early
+    cancels the request on the server. Options are those of `request_tensors`."""
+    tensors = [*request_tensors(prompt, max_tokens, **options), ("stream", np.array([[True]]), "BOOL")]
+    responses: queue.Queue = queue.Queue()
+    triton = grpcclient.InferenceServerClient(url)
+    finished = False
+    try:
+        triton.start_stream(callback=lambda result, error: responses.put((result, error)), stream_timeout=timeout)
+        # If the stream broke (no server?), the reason arrives through the callback, below.
+        with contextlib.suppress(InferenceServerException):
+            triton.async_stream_infer(model, _inputs(grpcclient, tensors), request_id=uuid.uuid4().hex)
+        while True:
+            try:
+                result, error = responses.get(timeout=timeout)
+            except queue.Empty:
+                raise GenerationError(f"no response from the server in {timeout:.0f} s") from None
+            if error is not None:
+                if error.status() == "StatusCode.UNAVAILABLE":
+                    raise ConnectionError(error.message())
+                raise GenerationError(error.message(), error.status())
+            reason = _scalar(result, "finish_reason")
+            text = _scalar(result, "text_output")
+            chunk = StreamChunk(
+                text=text.decode() if text is not None else "",
+                finish_reason=reason.decode() if reason is not None else None,
+                num_input_tokens=_int_or_none(_scalar(result, "num_input_tokens")),
+                num_output_tokens=_int_or_none(_scalar(result, "num_output_tokens")),
+            )
+            yield chunk
+            if chunk.final:
+                finished = True
+                return
+    finally:
+        triton.stop_stream(cancel_requests=not finished)
+        triton.close()
+
+
+def _int_or_none(value) -> int | None:
+    return None if value is None else int(value)

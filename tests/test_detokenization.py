@@ -125,3 +125,21 @@ def test_postprocessor_shapes_and_stop(tokenizer):
     [out] = post.process([{"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": lengths, "STOP_WORDS": stops}])
     assert out["OUTPUT"][0, 0].decode() == " Paris is"
     assert out["OUTPUT"][1, 0].decode() == tokenizer.decode(ids[:2])
+
+
+def test_postprocessor_finish_reason(tokenizer):
+    post = Postprocessor(Detokenizer(tokenizer))
+    ids = tokenizer(" Paris is nice", add_special_tokens=False)["input_ids"]
+    tokens = np.array([[ids]], dtype=np.int32)
+    lengths = np.array([[len(ids)]], dtype=np.int32)
+
+    def reason(**extra):
+        [out] = post.process([{"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": lengths, **extra}])
+        return out["FINISH_REASON"][0, 0].decode()
+
+    assert reason(REQUEST_OUTPUT_LEN=np.array([[len(ids)]], np.int32)) == "length"
+    assert reason(REQUEST_OUTPUT_LEN=np.array([[len(ids) + 5]], np.int32)) == "eos"
+    assert (
+        reason(REQUEST_OUTPUT_LEN=np.array([[len(ids)]], np.int32), STOP_WORDS=np.array([[b"nice"]], dtype=object))
+        == "stop"
+    )

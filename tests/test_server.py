@@ -18,7 +18,7 @@ import pytest
 import torch
 import tritonclient.http as httpclient
 
-from client import GenerationError, build_inputs, generate
+from client import GenerationError, generate, request_tensors
 from tests.conftest import ROOT
 from tritonllm.detokenization import REPLACEMENT, Detokenizer
 
@@ -225,8 +225,8 @@ def test_client_cli(url):
     assert bad.returncode == 1 and "max_tokens" in bad.stderr
 
 
-def test_build_inputs_only_sends_what_is_given():
-    names = [i.name() for i in build_inputs("hi", 4)]
+def test_request_tensors_only_send_what_is_given():
+    names = [name for name, _, _ in request_tensors("hi", 4)]
     assert names == ["text_input", "max_tokens", "apply_chat_template"]
-    names = [i.name() for i in build_inputs("hi", 4, temperature=0.5, seed=3, stop=["x"])]
+    names = [name for name, _, _ in request_tensors("hi", 4, temperature=0.5, seed=3, stop=["x"])]
     assert {"temperature", "seed", "stop_words"} <= set(names)

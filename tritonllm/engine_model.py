@@ -4,7 +4,8 @@
 thread reports tokens, and a sender thread turns them into responses, so neither generation nor
 request intake ever waits on the server's IPC. Like the TensorRT-LLM backend, a non-streaming
 request gets one response holding all its tokens; a streaming one gets a response per new
-tokens; both end with a COMPLETE_FINAL flag.
+tokens; both end with a COMPLETE_FINAL flag. A request ended early (TensorRT-LLM's `stop`
+request, or a cancelled client) ends the same way, with the tokens generated until then.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.engine import FINISH_CANCELLED, Emission, EngineConfig, GenerationRequest, PortableEngine
+from tritonllm.engine import Emission, EngineConfig, GenerationRequest, PortableEngine
 from tritonllm.engine_io import exclude_input, pack_outputs, parse_requests
 from tritonllm.errors import InputError
 from tritonllm.text_models import flag
@@ -126,7 +127,7 @@ class EngineModel:
     def _on_emission(self, call: _Call, row: int, emission: Emission) -> None:
         """From the engine's thread: queue what to send, never block."""
         request = call.requests[row]
-        if emission.error or emission.finish_reason == FINISH_CANCELLED:
+        if emission.error:
             self._outbox.put((call, None, emission))
         elif request.streaming:
             outputs = pack_outputs([emission.token_ids], call.pad_id) if emission.token_ids else None
@@ -159,13 +160,9 @@ class EngineModel:
     def _send(self, call: _Call, outputs: dict[str, np.ndarray] | None, emission: Emission) -> None:
         if call.closed:
             return
-        if emission.error or emission.finish_reason == FINISH_CANCELLED:
+        if emission.error:
             self._close(call)
-            if emission.error:
-                message = f"generation failed: {emission.error}"
-                error = pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL)
-            else:
-                error = pb_utils.TritonError("request was cancelled", pb_utils.TritonError.CANCELLED)
+            error = pb_utils.TritonError(f"generation failed: {emission.error}", pb_utils.TritonError.INTERNAL)
             call.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
             return
         final = emission.final and (call.requests[0].streaming or len(call.tokens) == len(call.requests))
