@@ -137,6 +137,8 @@ class StreamingModel:
         stopping = cancelled = False
         for response in request.exec(decoupled=True):
             if stopping:
+                if response.has_error():
+                    break  # an error ends the request: nothing more will come
                 continue  # drain until the engine's final response
             if response.has_error():
                 raise_if_error(response)
