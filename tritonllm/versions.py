@@ -1,0 +1,18 @@
+"""The one place where the TensorRT-LLM flavor's versions are pinned.
+
+An engine runs only under the TensorRT-LLM (and TensorRT) release that built it: the most reported
+upstream failure is "Serialization assertion stdVersionRead == kSERIALIZATION_VERSION failed",
+an engine from another release. So engines are built inside the same image that serves them.
+Triton releases 26.04 to 26.07 ship TensorRT-LLM 1.2.1 (TensorRT 10.14.1.48, CUDA 13.1), the last
+release line with the TensorRT engine backend (NVIDIA's compatibility matrix; see the README).
+"""
+
+TRITON_TAG = "26.07"
+TRTLLM_VERSION = "1.2.1"
+TRTLLM_IMAGE = f"nvcr.io/nvidia/tritonserver:{TRITON_TAG}-trtllm-python-py3"
+PORTABLE_IMAGE = f"nvcr.io/nvidia/tritonserver:{TRITON_TAG}-py3"
+
+if __name__ == "__main__":  # `python -m tritonllm.versions NAME` prints one value, for the Makefile
+    import sys
+
+    print(globals()[sys.argv[1]])
