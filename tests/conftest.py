@@ -72,3 +72,30 @@ def server(tmp_path_factory):
     text = log.read_text()
     assert "Traceback" not in text, f"a model raised in the server; log tail:\n{text[-5000:]}"
     assert code == 0, f"tritonserver exited with {code}; log tail:\n{text[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def openai_frontend(server, manifest, tmp_path_factory):
+    """Start OpenAI-compatible layers in front of the test server: openai_frontend(api_key=None) -> base URL."""
+    from tritonllm.server import OpenAIFrontend
+
+    started = []
+
+    def start(api_key: str | None = None) -> str:
+        log = tmp_path_factory.mktemp("openai") / "frontend.log"
+        frontend = OpenAIFrontend(
+            f"{server.host}:{server.grpc_port}",
+            manifest["tokenizer_dir"],
+            manifest["max_input_len"],
+            manifest["max_seq_len"],
+            port=free_port(),
+            api_key=api_key,
+            log_file=log,
+        )
+        frontend.start()
+        started.append(frontend)
+        return f"{frontend.url}/v1"
+
+    yield start
+    for frontend in started:
+        frontend.stop()

@@ -35,6 +35,7 @@ class BuildPlan:
     max_input_len: int
     max_seq_len: int
     vocab_size: int
+    max_queue_size: int = 0  # requests that may wait for a batch slot (0: as many as max_batch_size)
     engine_values: dict[str, str] = field(default_factory=dict)  # the flavor's own template values
     details: dict = field(default_factory=dict)  # what else the manifest records
 
@@ -51,6 +52,7 @@ class BuildPlan:
             "max_seq_len": str(self.max_seq_len),
             "vocab_size": str(self.vocab_size),
             "max_inflight_requests": str(8 * self.max_batch_size),
+            "max_queue_size": str(self.max_queue_size or self.max_batch_size),
             **self.engine_values,
         }
 
@@ -100,6 +102,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         max_input_len=max_input_len,
         max_seq_len=max_seq_len,
         vocab_size=text_config.vocab_size,
+        max_queue_size=args.max_queue_size,
         engine_values={
             "model_dir": str(model_dir),
             "dtype": dtype,
@@ -134,6 +137,7 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
         max_input_len=info.max_input_len,
         max_seq_len=info.max_seq_len,
         vocab_size=info.vocab_size,
+        max_queue_size=getattr(args, "max_queue_size", 0),
         engine_values={
             "engine_dir": str(engine_dir),
             "max_beam_width": str(info.max_beam_width),
@@ -234,6 +238,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=0,
         help="requests generating at once (default: portable 16; trtllm 64, or the engine's)",
+    )
+    parser.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=0,
+        help="requests that may wait for a batch slot before new ones are refused as busy (default: max-batch-size)",
     )
     parser.add_argument("--max-seq-len", type=int, default=4096, help="prompt + generated tokens (capped by the model)")
     parser.add_argument(

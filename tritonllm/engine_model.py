@@ -25,6 +25,7 @@ from tritonllm.text_models import flag
 from tritonllm.tokenization import Limits, scalar
 from tritonllm.triton_glue import (
     FINAL,
+    ServerBusy,
     error_response,
     input_arrays,
     log_exception,
@@ -62,6 +63,8 @@ class EngineModel:
             device = f"cuda:{args['model_instance_device_id']}"
         self.limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
         self.exclude_input = flag(params.get("exclude_input_in_output", "true"))
+        # Requests beyond the running batch wait in the engine's queue, up to this bound; more are refused.
+        self.capacity = int(config["max_batch_size"]) + int(params["max_queue_size"])
         self.engine = PortableEngine(
             EngineConfig(
                 model_dir=params["model_dir"],
@@ -101,6 +104,7 @@ class EngineModel:
                     self._stop(request.request_id(), sender)
                     continue
                 rows = parse_requests(arrays, self.limits)
+                self._admit(len(rows))
                 pad = arrays.get("pad_id")
                 pad_id = int(pad.flat[0]) if pad is not None else 0
                 call = _Call(sender, request.request_id(), rows, exclude_input(arrays, self.exclude_input), pad_id)
@@ -113,6 +117,14 @@ class EngineModel:
                     self.engine.submit(generation, lambda e, c=call, r=row: self._on_emission(c, r, e))
                 )
         return None
+
+    def _admit(self, rows: int) -> None:
+        in_flight = self.engine.running()
+        if in_flight + rows > self.capacity:
+            raise ServerBusy(
+                f"server busy: {in_flight} requests are in the engine and its limit is {self.capacity} "
+                "(max_batch_size running + max_queue_size waiting); retry later"
+            )
 
     def _stop(self, request_id: str, sender) -> None:
         """TensorRT-LLM's `stop` input: end the in-flight requests that carry this request id."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
 from pathlib import Path
 
-from tritonllm.server import ServerError, TritonServer
+from tritonllm.server import OpenAIFrontend, ServerError, TritonServer
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -23,38 +25,65 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for the models to load")
+    parser.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API port (0: off)")
+    parser.add_argument("--model-name", help="the model name of the OpenAI API (default: the model folder's name)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TRITONLLM_API_KEY"),
+        help="OpenAI API key clients must send (default: $TRITONLLM_API_KEY; none: open)",
+    )
     args = parser.parse_args(argv)
 
     repository = args.repository.resolve()
     server = TritonServer(
         repository, repository.parent / "tritonserver", args.http_port, args.grpc_port, args.metrics_port, args.host
     )
+    frontend = None
+    if args.openai_port:
+        manifest = json.loads((repository.parent / "manifest.json").read_text())
+        frontend = OpenAIFrontend(
+            f"{args.host}:{args.grpc_port}",
+            manifest["tokenizer_dir"],
+            manifest["max_input_len"],
+            manifest["max_seq_len"],
+            args.openai_port,
+            args.host,
+            args.api_key,
+            args.model_name,
+        )
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     try:
         print(f"Starting tritonserver on {repository} ...", flush=True)
         server.start(timeout=args.load_timeout)
+        if frontend:
+            frontend.start()
         url = f"{args.host}:{args.http_port}"
-        print(
-            f"\nReady: HTTP {url}, gRPC {args.host}:{args.grpc_port}, metrics http://{args.host}:{args.metrics_port}/metrics\n"
-            f"Try, in another shell:\n"
-            f'  .venv/bin/python -m client --url {url} "What is the capital of France?"\n'
+        lines = [
+            f"\nReady: HTTP {url}, gRPC {args.host}:{args.grpc_port}, metrics http://{args.host}:{args.metrics_port}/metrics",
+            "Try, in another shell:",
+            f'  .venv/bin/python -m client --url {url} "What is the capital of France?"',
+            f'  .venv/bin/python -m client --grpc-url {args.host}:{args.grpc_port} --stream "Write a haiku"',
             f"  curl -s -X POST http://{url}/v2/models/ensemble/generate "
-            '-d \'{"text_input": "What is the capital of France?", "max_tokens": 64, "apply_chat_template": true}\'\n'
-            "Ctrl-C stops the server.\n",
-            flush=True,
-        )
+            '-d \'{"text_input": "What is the capital of France?", "max_tokens": 64, "apply_chat_template": true}\'',
+        ]
+        if frontend:
+            lines.append(f"  OpenAI-compatible API: {frontend.url}/v1, model `{frontend.served_name}`")
+        lines.append("Ctrl-C stops the server.\n")
+        print("\n".join(lines), flush=True)
         code = server.process.wait()
         print(f"tritonserver exited with code {code}", file=sys.stderr)
         return code or 1
     except ServerError as exc:
         print(f"serve: {exc}", file=sys.stderr)
-        server.stop()
         return 1
     except KeyboardInterrupt:
         print("\nStopping tritonserver ...", flush=True)
-        server.stop()
         return 0
+    finally:
+        if frontend:
+            frontend.stop()
+        server.stop()
 
 
 if __name__ == "__main__":

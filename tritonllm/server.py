@@ -171,3 +171,75 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+@dataclass
+class OpenAIFrontend:
+    """The OpenAI-compatible layer (tritonllm.openai_frontend) as a process beside tritonserver."""
+
+    grpc_url: str
+    tokenizer_dir: str
+    max_input_len: int
+    max_seq_len: int
+    port: int = 9000
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    model_name: str | None = None
+    log_file: Path | None = None
+
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(self.tokenizer_dir).name
+
+    def start(self, timeout: float = 120.0) -> None:
+        if port_in_use(self.host, self.port):
+            raise ServerError(f"port {self.port} on {self.host} is already in use: choose another, OPENAI_PORT=...")
+        command = [
+            sys.executable,
+            "-m",
+            "tritonllm.openai_frontend",
+            "--grpc-url",
+            self.grpc_url,
+            "--tokenizer-dir",
+            self.tokenizer_dir,
+            "--max-input-len",
+            str(self.max_input_len),
+            "--max-seq-len",
+            str(self.max_seq_len),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
+        if self.model_name:
+            command += ["--model-name", self.model_name]
+        env = dict(os.environ, TRITONLLM_API_KEY=self.api_key or "")
+        output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
+        self._output = output
+        self.process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"the OpenAI-compatible layer exited with code {self.process.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise ServerError(f"the OpenAI-compatible layer did not answer on {self.url} within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        if getattr(self, "_output", None):
+            self._output.close()

@@ -52,6 +52,10 @@ class StepError(Exception):
         self.error = error
 
 
+class ServerBusy(Exception):
+    """The engine's queue is full: UNAVAILABLE (HTTP 503, OpenAI 429), "retry later"."""
+
+
 def raise_if_error(response) -> None:
     if response.has_error():
         raise StepError(response.error())
@@ -61,6 +65,8 @@ def error_response(exc: BaseException):
     """INVALID_ARG (HTTP 400) for a client's mistake, INTERNAL for ours, the callee's code for a BLS step."""
     if isinstance(exc, StepError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.error.message(), exc.error.code()))
+    if isinstance(exc, ServerBusy):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE))
     if isinstance(exc, InputError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
     pb_utils.Logger.log_error("".join(traceback.format_exception(exc)))
