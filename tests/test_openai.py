@@ -121,6 +121,10 @@ def test_errors_in_openai_format(api, model):
         api.completions.create(model=model, prompt="word " * 5000, max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="messages"):
         api.chat.completions.create(model=model, messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        chat(api, model, max_tokens=4, presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        chat(api, model, max_tokens=4, logprobs=True)
 
 
 def test_api_key(openai_frontend, model):

@@ -70,6 +70,22 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Accepted at their neutral values only: the engine cannot honour them, and silently ignoring them would mislead.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def check_supported(self) -> None:
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            if getattr(self, name) != neutral:
+                raise APIError(400, f"'{name}' is not supported by this server", param=name)
+        for name in ("logprobs", "tools"):
+            if getattr(self, name):
+                raise APIError(400, f"'{name}' is not supported by this server", param=name)
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
 
     def stops(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -325,6 +341,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         check_model(body.model)
+        body.check_supported()
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         if not prompts or not all(prompts):
             raise APIError(400, "'prompt' must be a non-empty string or list of non-empty strings", param="prompt")
@@ -355,6 +372,7 @@ def create_app(settings: Settings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest):
         check_model(body.model)
+        body.check_supported()
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
             prompt = chat_prompt(messages)
