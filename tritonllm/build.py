@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"build_engines.py: {exc}", file=sys.stderr)
         return 2
     manifest = {
-        **{k: v for k, v in asdict(plan).items() if k != "engine_values"},
+        **{k: v for k, v in asdict(plan).items() if k not in ("engine_values", "details")},
+        **plan.details,
         "tokenizer_dir": plan.model_dir,
         "model_source": args.model or "default",
         "models": models,
