@@ -1,10 +1,9 @@
-"""A small asynchronous load generator with token-level metrics, for `make perf` and the benchmarks.
+"""A small asynchronous load generator with token-level metrics, for `make perf` and `make bench`.
 
-perf_analyzer 2.51 measures requests; for an LLM the numbers users compare are per token: time to
-first token (TTFT), inter-token latency (ITL), output tokens/s. genai-perf computes those on top
-of perf_analyzer, but its releases that still drive a 2.51-era perf_analyzer through Triton
-streaming need their own dependency stack; this module measures the same quantities directly
-(see README, "Performance", for the check of genai-perf).
+genai-perf (run by `make perf`) measures the streaming model; this module measures what it
+cannot: the request/response `ensemble` and the engine alone fed the same token ids (the
+baseline of the pipeline-overhead ratio), with the same time to first token (TTFT),
+inter-token latency (ITL) and output tokens/s, so all targets are compared by one method.
 
 Targets:
 - `stream`: `tensorrt_llm_bls` over gRPC bidirectional streaming (TTFT and ITL are measured);

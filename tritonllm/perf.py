@@ -3,10 +3,12 @@
 1. perf_analyzer (from the tritonclient 2.51.0 wheel, matching the server) on `ensemble` over HTTP
    and on `tensorrt_llm_bls` over gRPC streaming, at each concurrency level, with prompts from
    perf/prompts.json;
-2. token-level numbers (time to first token, inter-token latency, output tokens/s) from
-   tritonllm.loadgen at the same levels;
-3. build/perf/: perf_analyzer_<model>.csv, tokens.csv, perf.png (throughput against p50/p99
-   latency, one line per model; output tokens/s against concurrency), summary.md.
+2. token-level numbers (time to first token, inter-token latency, output tokens/s) from genai-perf
+   0.0.8 on the streaming model (the release nearest the 2.51 server that drives this
+   perf_analyzer; checked: it runs with `--service-kind triton --backend tensorrtllm`), and from
+   tritonllm.loadgen for both entry points at the same levels;
+3. build/perf/: perf_analyzer_<model>.csv, genai_perf.csv, tokens.csv, perf.png (throughput against
+   p50/p99 latency, one line per model; output tokens/s against concurrency), summary.md.
 
 It uses the server at --http-url/--grpc-url if one answers, else starts one on free ports.
 """
@@ -109,6 +111,71 @@ def run_perf_analyzer(
     return rows
 
 
+GENAI_METRICS = ("time_to_first_token", "inter_token_latency", "request_latency")
+
+
+def run_genai_perf(grpc_url: str, tokenizer_dir: str, levels: list[int], max_tokens: int, out: Path) -> list[dict]:
+    """genai-perf 0.0.8 on tensorrt_llm_bls (gRPC streaming), one run per concurrency level."""
+    binary = shutil.which("genai-perf", path=str(Path(sys.executable).parent))
+    if binary is None:
+        raise PerfError("genai-perf is missing: pip install -r requirements-perf.txt (make perf does)")
+    _, env = perf_analyzer_env()
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    rows = []
+    for concurrency in levels:
+        artifacts = out / "genai-perf" / f"c{concurrency}"
+        command = [
+            binary,
+            "profile",
+            "-m",
+            "tensorrt_llm_bls",
+            "--service-kind",
+            "triton",
+            "--backend",
+            "tensorrtllm",
+            "--streaming",
+            "--tokenizer",
+            tokenizer_dir,
+            "--url",
+            grpc_url,
+            "--concurrency",
+            str(concurrency),
+            "--num-prompts",
+            "32",
+            "--synthetic-input-tokens-mean",
+            "40",
+            "--synthetic-input-tokens-stddev",
+            "0",
+            "--output-tokens-mean",
+            str(max_tokens),
+            "--measurement-interval",
+            str(8000 + 1000 * concurrency),
+            "--artifact-dir",
+            str(artifacts),
+        ]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=out)
+        exports = list(artifacts.glob("**/profile_export_genai_perf.json"))
+        if result.returncode != 0 or not exports:
+            raise PerfError(
+                f"genai-perf failed at concurrency {concurrency}:\n{result.stdout[-1500:]}{result.stderr[-1500:]}"
+            )
+        data = json.loads(exports[0].read_text())
+        row = {
+            "concurrency": concurrency,
+            "output_tokens_per_s": round(data["output_token_throughput"]["avg"], 2),
+            "requests_per_s": round(data["request_throughput"]["avg"], 3),
+        }
+        for metric in GENAI_METRICS:
+            row[f"{metric}_p50_ms"] = round(data[metric]["p50"], 1)
+            row[f"{metric}_p99_ms"] = round(data[metric]["p99"], 1)
+        rows.append(row)
+    with (out / "genai_perf.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
 def write_tokens_csv(results: list[LevelResult], path: Path) -> None:
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(asdict(results[0])))
@@ -142,7 +209,7 @@ def plot(pa: dict[str, list[dict]], tokens: list[LevelResult], path: Path) -> No
     fig.savefig(path, dpi=110)
 
 
-def summary(pa: dict[str, list[dict]], tokens: list[LevelResult], settings: dict) -> str:
+def summary(pa: dict[str, list[dict]], tokens: list[LevelResult], genai: list[dict], settings: dict) -> str:
     lines = ["# make perf", "", "Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items()), ""]
     lines += ["## perf_analyzer", "", "| model | concurrency | requests/s | p50 ms | p99 ms |", "|---|---|---|---|---|"]
     for model, rows in pa.items():
@@ -151,6 +218,19 @@ def summary(pa: dict[str, list[dict]], tokens: list[LevelResult], settings: dict
                 f"| {model} | {r['Concurrency']} | {float(r['Inferences/Second']):.2f} | "
                 f"{float(r['p50 latency']) / 1000:.0f} | {float(r['p99 latency']) / 1000:.0f} |"
             )
+    lines += [
+        "",
+        "## genai-perf 0.0.8 (tensorrt_llm_bls, gRPC streaming, synthetic prompts of 40 tokens)",
+        "",
+        "| concurrency | output tokens/s | requests/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | latency p50 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in genai:
+        lines.append(
+            f"| {r['concurrency']} | {r['output_tokens_per_s']} | {r['requests_per_s']} | "
+            f"{r['time_to_first_token_p50_ms']} | {r['time_to_first_token_p99_ms']} | "
+            f"{r['inter_token_latency_p50_ms']} | {r['request_latency_p50_ms']} |"
+        )
     lines += [
         "",
         "## Tokens (tritonllm.loadgen)",
@@ -211,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
             pa[model] = run_perf_analyzer(
                 model, url, protocol, data_file, levels, out / f"perf_analyzer_{model}.csv", stream
             )
+        manifest = json.loads((build / "manifest.json").read_text())
+        genai = run_genai_perf(args.grpc_url, manifest["tokenizer_dir"], levels, args.max_tokens, out.resolve())
         make = lambda: Targets(args.grpc_url, args.http_url, prompts, args.max_tokens)  # noqa: E731
         tokens = asyncio.run(_sweep(make, ["stream", "ensemble"], levels, args.requests))
     except PerfError as exc:
@@ -221,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     write_tokens_csv(tokens, out / "tokens.csv")
     plot(pa, tokens, out / "perf.png")
-    text = summary(pa, tokens, {"max_tokens": args.max_tokens, "levels": args.levels})
+    text = summary(pa, tokens, genai, {"max_tokens": args.max_tokens, "levels": args.levels})
     (out / "summary.md").write_text(text)
     print(text)
     return 0
