@@ -230,3 +230,68 @@ def test_request_tensors_only_send_what_is_given():
     assert names == ["text_input", "max_tokens", "apply_chat_template"]
     names = [name for name, _, _ in request_tensors("hi", 4, temperature=0.5, seed=3, stop=["x"])]
     assert {"temperature", "seed", "stop_words"} <= set(names)
+
+
+def scrape(server) -> dict[str, float]:
+    """The tritonllm_* samples of the metrics port, keyed by their text (name and labels)."""
+    text = urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=30).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("tritonllm_"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], name: str, **labels) -> float:
+    return sum(
+        v for k, v in samples.items() if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items())
+    )
+
+
+def test_metrics_add_up_after_traffic(server, url):
+    import time
+
+    before = scrape(server)
+    lengths = [3, 5, 8]
+    answers = []
+    with httpclient.InferenceServerClient(url) as triton:
+        for n in lengths:
+            inputs = [_tensor(name, value, dt) for name, value, dt in request_tensors("Count to ten.", n)]
+            inputs.append(_tensor("end_id", np.array([[-1]], np.int32), "INT32"))
+            answers.append(triton.infer("ensemble", inputs))
+        bad = [  # refused by the engine itself (a token id outside the vocabulary): an engine-level error
+            _tensor("input_ids", np.array([[10**6]], np.int32), "INT32"),
+            _tensor("input_lengths", np.array([[1]], np.int32), "INT32"),
+            _tensor("request_output_len", np.array([[4]], np.int32), "INT32"),
+        ]
+        with pytest.raises(Exception, match="input_ids"):
+            triton.infer("tensorrt_llm_bridge", bad)
+    time.sleep(0.6)  # the engine flushes its metrics every 0.2 s
+    after = scrape(server)
+    delta = {
+        name: metric(after, name) - metric(before, name)
+        for name in (
+            "tritonllm_requests_finished_total",
+            "tritonllm_output_tokens_total",
+            "tritonllm_input_tokens_total",
+            "tritonllm_time_to_first_token_seconds_count",
+            "tritonllm_time_per_output_token_seconds_count",
+        )
+    }
+    assert delta["tritonllm_requests_finished_total"] == len(lengths)
+    assert metric(after, "tritonllm_requests_finished_total", finish_reason="length") - metric(
+        before, "tritonllm_requests_finished_total", finish_reason="length"
+    ) == len(lengths)
+    assert delta["tritonllm_output_tokens_total"] == sum(lengths)
+    assert delta["tritonllm_input_tokens_total"] == sum(int(a.as_numpy("num_input_tokens")[0, 0]) for a in answers)
+    assert delta["tritonllm_time_to_first_token_seconds_count"] == len(lengths)
+    assert delta["tritonllm_time_per_output_token_seconds_count"] == len(lengths)
+    errors = {
+        k: metric(after, "tritonllm_request_errors_total", kind=k)
+        - metric(before, "tritonllm_request_errors_total", kind=k)
+        for k in ("invalid_input", "server_busy", "generation_failed")
+    }
+    assert errors == {"invalid_input": 1, "server_busy": 0, "generation_failed": 0}
+    assert metric(after, "tritonllm_engine_requests_in_flight") == 0
+    assert metric(after, "tritonllm_engine_requests", state="running") == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -80,6 +81,10 @@ class Emission:
     token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    # On final emissions: seconds from submission to the first generated token, and the mean
+    # seconds per token after it (None when unknown: no or one token).
+    time_to_first_token: float | None = None
+    time_per_output_token: float | None = None
 
     @property
     def final(self) -> bool:
@@ -93,6 +98,8 @@ class _Active:
     tokens: list[int] = field(default_factory=list)  # generated so far, end id excluded
     seen: int = 0  # tokens of the manager's output already processed
     sent: int = 0  # tokens already emitted (streaming)
+    submitted: float = field(default_factory=time.perf_counter)
+    token_times: tuple[float, float] | None = None  # (first, last) generated token, perf_counter clock
 
 
 class BadWordsProcessor(ContinuousBatchingLogitsProcessor):
@@ -194,6 +201,7 @@ class PortableEngine:
             request_id=request_id,
             max_new_tokens=request.max_new_tokens,
             streaming=per_token,
+            record_timestamps=True,
             eos_token_id=request.end_id,
             **kwargs,
         )
@@ -211,6 +219,11 @@ class PortableEngine:
         """Requests submitted and not finished."""
         with self._lock:
             return len(self._active)
+
+    def in_batch(self) -> int:
+        """Requests in the running batch (the others submitted wait for a slot)."""
+        processor = self._manager.batch_processor
+        return len(processor.scheduler.active_requests) if processor is not None else 0
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> tuple[list[int], str]:
         """Blocking helper: the generated tokens and finish reason of one non-streaming request."""
@@ -267,6 +280,8 @@ class PortableEngine:
             return
         request = active.request
         reason = None
+        if output.timestamps:
+            active.token_times = (output.timestamps[0], output.timestamps[-1])
         for token in output.generated_tokens[active.seen :]:
             active.seen += 1
             if token == request.end_id:
@@ -306,7 +321,12 @@ class PortableEngine:
 def _finish(active: _Active, reason: str, error: str | None = None) -> None:
     tokens = active.tokens[active.sent :] if active.request.streaming else active.tokens
     active.sent = len(active.tokens)
-    active.emit(Emission(list(tokens), reason, error))
+    ttft = tpot = None
+    if active.token_times is not None:
+        first, last = active.token_times
+        ttft = first - active.submitted
+        tpot = (last - first) / (active.seen - 1) if active.seen > 1 else None
+    active.emit(Emission(list(tokens), reason, error, ttft, tpot))
 
 
 def _processor_list(processors: list[ContinuousBatchingLogitsProcessor]) -> ContinuousBatchingLogitsProcessorList:

@@ -21,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 from tritonllm.engine import Emission, EngineConfig, GenerationRequest, PortableEngine
 from tritonllm.engine_io import exclude_input, pack_outputs, parse_requests
 from tritonllm.errors import InputError
+from tritonllm.metrics import EngineMetrics
 from tritonllm.text_models import flag
 from tritonllm.tokenization import Limits, scalar
 from tritonllm.triton_glue import (
@@ -49,6 +50,7 @@ class _Call:
     pad_id: int
     engine_ids: list[str] = field(default_factory=list)
     tokens: dict[int, list[int]] = field(default_factory=dict)  # finished rows
+    generated: dict[int, int] = field(default_factory=dict)  # tokens generated per row, for the metrics
     closed: bool = False
 
 
@@ -82,15 +84,8 @@ class EngineModel:
         log_info(f"tensorrt_llm: portable engine on {device} warmed up in {time.perf_counter() - started:.1f} s")
         self._outbox: queue.Queue = queue.Queue()
         self._live: dict[int, _Call] = {}
-        # The family must outlive its metrics: keep both.
-        self._metric_family = pb_utils.MetricFamily(
-            name="tritonllm_engine_requests_in_flight",
-            description="Requests submitted to the engine and not finished (running or waiting for a batch slot)",
-            kind=pb_utils.MetricFamily.GAUGE,
-        )
-        self._in_flight = self._metric_family.Metric(
-            labels={"model": args["model_name"], "version": args["model_version"]}
-        )
+        self.metrics = EngineMetrics(args["model_name"], args["model_version"])
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # metric records, flushed by the sender thread
         self._running = True
         self._sender_thread = threading.Thread(target=self._send_loop, name="tensorrt_llm-sender", daemon=True)
         self._sender_thread.start()
@@ -109,6 +104,8 @@ class EngineModel:
                 pad_id = int(pad.flat[0]) if pad is not None else 0
                 call = _Call(sender, request.request_id(), rows, exclude_input(arrays, self.exclude_input), pad_id)
             except Exception as exc:
+                kind = "server_busy" if isinstance(exc, ServerBusy) else "invalid_input"
+                self._finished.put(("error", kind))
                 sender.send(error_response(exc), flags=FINAL)
                 continue
             self._live[id(call)] = call
@@ -139,6 +136,9 @@ class EngineModel:
     def _on_emission(self, call: _Call, row: int, emission: Emission) -> None:
         """From the engine's thread: queue what to send, never block."""
         request = call.requests[row]
+        call.generated[row] = call.generated.get(row, 0) + len(emission.token_ids)
+        if emission.final:
+            self._finished.put(("finish", emission, len(request.input_ids), call.generated[row]))
         if emission.error:
             self._outbox.put((call, None, emission))
         elif request.streaming:
@@ -164,10 +164,28 @@ class EngineModel:
             if time.monotonic() >= next_check:
                 try:
                     self._check_cancelled()
-                    self._in_flight.set(self.engine.running())
+                    self._update_metrics()
                 except Exception:
-                    log_exception("tensorrt_llm: checking cancellations failed")
+                    log_exception("tensorrt_llm: checking cancellations or metrics failed")
                 next_check = time.monotonic() + CANCEL_CHECK_SECONDS
+
+    def _update_metrics(self) -> None:
+        while not self._finished.empty():
+            record = self._finished.get()
+            if record[0] == "error":
+                self.metrics.errors[record[1]].increment(1)
+                continue
+            _, emission, input_tokens, output_tokens = record
+            if emission.error:
+                self.metrics.errors["generation_failed"].increment(1)
+            self.metrics.finish(
+                emission.finish_reason,
+                input_tokens,
+                output_tokens,
+                emission.time_to_first_token,
+                emission.time_per_output_token,
+            )
+        self.metrics.load(self.engine.running(), self.engine.in_batch())
 
     def _send(self, call: _Call, outputs: dict[str, np.ndarray] | None, emission: Emission) -> None:
         if call.closed:
