@@ -17,6 +17,7 @@ from tritonllm.errors import InputError
 
 MAX_WORDS = 32  # stop or bad word strings per request
 MAX_WORD_BYTES = 256
+MAX_BYTES_PER_TOKEN = 64  # no tokenizer we know packs more bytes into one token
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,15 @@ class Preprocessor:
         query = arrays.get("QUERY")
         if query is None:
             raise InputError("text_input", "is required")
-        text = as_text(query.reshape(query.shape[0], -1)[row, 0], "text_input")
+        raw = query.reshape(query.shape[0], -1)[row, 0]
+        if isinstance(raw, bytes) and len(raw) > MAX_BYTES_PER_TOKEN * self.limits.max_input_len:
+            # Refused before tokenizing: a multi-megabyte prompt would hold the tokenizer for seconds.
+            raise InputError(
+                "text_input",
+                f"{len(raw)} bytes, more than any prompt within the maximum input length of "
+                f"{self.limits.max_input_len} tokens",
+            )
+        text = as_text(raw, "text_input")
         if not text.strip():
             raise InputError("text_input", "is empty")
         if scalar(arrays, "APPLY_CHAT_TEMPLATE", row):
