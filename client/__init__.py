@@ -7,6 +7,7 @@ print(generate("What is the capital of France?", max_tokens=64))
 from __future__ import annotations
 
 import contextlib
+import http.client
 import queue
 import uuid
 from collections.abc import Iterator, Sequence
@@ -87,6 +88,8 @@ def generate(
             result = triton.infer(model, _inputs(httpclient, request_tensors(prompt, max_tokens, **options)))
         except InferenceServerException as exc:
             raise GenerationError(exc.message(), exc.status()) from None
+        except http.client.HTTPException as exc:  # e.g. the server closed the connection while stopping
+            raise ConnectionError(f"the server at {url} closed the connection: {exc}") from None
     return result.as_numpy("text_output").reshape(-1)[0].decode("utf-8")
 
 

@@ -6,15 +6,46 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
-from tritonllm.server import OpenAIFrontend, ServerError, TritonServer
+from tritonllm.server import OpenAIFrontend, ServerError, TritonServer, probe_engine
 
 
 def _interrupt(signum: int, frame: object) -> None:
     """SIGTERM (docker stop, systemd) stops the server as cleanly as Ctrl-C does."""
     raise KeyboardInterrupt
+
+
+def supervise(server: TritonServer, interval: float) -> int:
+    """Wait on tritonserver; restart it when its engine stops answering.
+
+    tritonserver 2.51 neither restarts a Python-backend stub that died nor stops reporting ready,
+    and requests waiting on the dead engine would hang: so a probe asks the engine every
+    `interval` seconds, and after two failures in a row the server is killed (its clients get an
+    error at once, and /v2/health/ready stops answering) and started again.
+    """
+    failures = 0
+    while True:
+        try:
+            code = server.process.wait(timeout=interval if interval > 0 else None)
+        except subprocess.TimeoutExpired:
+            problem = probe_engine(f"{server.host}:{server.grpc_port}")
+            failures = failures + 1 if problem else 0
+            if failures >= 2:
+                print(
+                    f"serve: the engine does not answer ({problem}); restarting tritonserver",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                server.kill()
+                server.start()
+                print("serve: tritonserver is ready again", file=sys.stderr, flush=True)
+                failures = 0
+            continue
+        print(f"tritonserver exited with code {code}", file=sys.stderr)
+        return code or 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for the models to load")
+    parser.add_argument(
+        "--watchdog-seconds",
+        type=float,
+        default=5.0,
+        help="how often to check that the engine answers; 0: never (see README, 'Faults')",
+    )
     parser.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API port (0: off)")
     parser.add_argument("--model-name", help="the model name of the OpenAI API (default: the model folder's name)")
     parser.add_argument(
@@ -71,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"  OpenAI-compatible API: {frontend.url}/v1, model `{frontend.served_name}`")
         lines.append("Ctrl-C stops the server.\n")
         print("\n".join(lines), flush=True)
-        code = server.process.wait()
-        print(f"tritonserver exited with code {code}", file=sys.stderr)
-        return code or 1
+        return supervise(server, args.watchdog_seconds)
     except ServerError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 1

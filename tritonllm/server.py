@@ -153,12 +153,58 @@ class TritonServer:
             self._output.close()
         return self.process.returncode
 
+    def kill(self) -> None:
+        """At once, without draining: for a server whose engine is gone."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if getattr(self, "_output", None):
+            self._output.close()
+            self._output = None
+
     def __enter__(self) -> TritonServer:
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def probe_engine(grpc_url: str, engine_model: str = "tensorrt_llm", timeout: float = 10.0) -> str | None:
+    """None if the engine answers; else why not. The probe is TensorRT-LLM's `stop` request for an
+    id no request has, which both engines answer at once without generating."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    one = np.ones((1, 1), dtype=np.int32)
+    inputs = []
+    for name, value, datatype in (
+        ("input_ids", one, "INT32"),
+        ("input_lengths", one, "INT32"),
+        ("request_output_len", one, "INT32"),
+        ("stop", np.array([[True]]), "BOOL"),
+    ):
+        tensor = grpcclient.InferInput(name, list(value.shape), datatype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    try:
+        with grpcclient.InferenceServerClient(grpc_url) as triton:
+            triton.start_stream(callback=lambda result, error: answers.put(error))
+            try:
+                triton.async_stream_infer(
+                    engine_model, inputs, request_id="tritonllm-health-probe", enable_empty_final_response=True
+                )
+                error = answers.get(timeout=timeout)
+            finally:
+                triton.stop_stream()
+    except queue.Empty:
+        return f"no answer in {timeout:.0f} s"
+    except Exception as exc:
+        return str(exc)
+    return None if error is None else error.message()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,0 +1,167 @@
+"""Integration: faults. A killed engine, SIGTERM, client timeouts — bounded, loopback only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from client import GenerationError, _inputs, generate, request_tensors
+from tests.conftest import BUILD, ROOT
+from tests.test_streaming import wait_for_in_flight
+from tritonllm.server import free_port
+
+pytestmark = pytest.mark.integration
+
+
+class Serve:
+    """`python -m tritonllm.serve` (what `make serve` runs) as a subprocess on free ports."""
+
+    def __init__(self, tmp_path, *extra: str) -> None:
+        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        self.log = tmp_path / "serve.log"
+        command = [
+            sys.executable,
+            "-m",
+            "tritonllm.serve",
+            "--repository",
+            str(BUILD / "model_repository"),
+            "--http-port",
+            str(self.http),
+            "--grpc-port",
+            str(self.grpc),
+            "--metrics-port",
+            str(self.metrics),
+            "--openai-port",
+            "0",
+            *extra,
+        ]
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        assert self.wait_ready(600), self.tail()
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.http}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if self.ready():
+                return True
+            time.sleep(0.5)
+        return False
+
+    def tritonserver_pid(self) -> int:
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.process.pid), "-f", "tritonserver"], capture_output=True, text=True
+        )
+        return int(out.stdout.split()[0])
+
+    def engine_stub_pid(self) -> int:
+        server = str(self.tritonserver_pid())
+        out = subprocess.run(["pgrep", "-a", "-f", "tensorrt_llm/1/model.py"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if server in line.split():
+                return int(line.split()[0])
+        raise AssertionError(f"no engine stub of tritonserver {server}: {out}")
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def in_background(function, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            result["value"] = function(*args, **kwargs)
+        except Exception as exc:
+            result["error"] = exc
+        result["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_killed_engine_fails_in_flight_requests_and_serving_comes_back(tmp_path):
+    serve = Serve(tmp_path, "--watchdog-seconds", "1")
+    try:
+        answer = generate("What is the capital of France?", 12, url=serve.url)
+        thread, result = in_background(generate, "Tell me a very long story.", 400, url=serve.url, timeout=300)
+        time.sleep(2)
+        os.kill(serve.engine_stub_pid(), signal.SIGKILL)
+        killed = time.monotonic()
+        thread.join(120)
+        assert "error" in result, f"the in-flight request did not fail: {result}"
+        assert time.monotonic() - killed < 60, "the in-flight request hung instead of failing"
+        # The server is restarted: not ready for a while, then ready, then answering as before.
+        deadline, seen_not_ready = time.monotonic() + 60, False
+        while time.monotonic() < deadline and not seen_not_ready:
+            seen_not_ready = not serve.ready()
+            time.sleep(0.2)
+        assert seen_not_ready, "health still said ready with a dead engine"
+        assert serve.wait_ready(600), serve.tail()
+        assert generate("What is the capital of France?", 12, url=serve.url) == answer
+        assert "restarting tritonserver" in serve.log.read_text()
+    finally:
+        serve.stop()
+
+
+def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path):
+    serve = Serve(tmp_path, "--watchdog-seconds", "0")
+    try:
+        running = [in_background(generate, f"Count slowly from one to {n}0.", 24, url=serve.url) for n in (5, 6, 7)]
+        time.sleep(1.5)
+        serve.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises((GenerationError, OSError)):
+            generate("Too late?", 4, url=serve.url, timeout=30)
+        for thread, result in running:
+            thread.join(120)
+            assert "value" in result, f"an in-flight request failed on SIGTERM: {result}"
+        assert serve.process.wait(90) == 0, serve.tail()
+    finally:
+        serve.stop()
+
+
+def test_client_timeout_ends_the_request_and_frees_its_slot(server):
+    assert wait_for_in_flight(server, 0) == 0
+    errors = []
+    triton = grpcclient.InferenceServerClient(f"{server.host}:{server.grpc_port}")
+    triton.start_stream(callback=lambda result, error: error and errors.append(error), stream_timeout=2)
+    tensors = [
+        *request_tensors("Tell me a very long story.", 3000),
+        ("stream", np.array([[True]]), "BOOL"),
+        ("end_id", np.array([[-1]], np.int32), "INT32"),
+    ]
+    triton.async_stream_infer("tensorrt_llm_bls", _inputs(grpcclient, tensors))
+    time.sleep(4)
+    triton.stop_stream()
+    triton.close()
+    assert errors and "Deadline" in errors[0].message()
+    assert wait_for_in_flight(server, 0) == 0, "the engine kept generating for a client that timed out"
