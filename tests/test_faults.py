@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -132,9 +133,30 @@ def test_killed_engine_fails_in_flight_requests_and_serving_comes_back(tmp_path)
         serve.stop()
 
 
+def check_restricted_apis(serve: Serve) -> None:
+    """With an admin key, the model-repository and logging APIs need it; inference and health do not."""
+    for path, method in (("/v2/repository/index", "POST"), ("/v2/logging", "GET")):
+        for headers, expected in (
+            ({}, 403),
+            ({"tritonllm-admin-key": "wrong"}, 403),
+            ({"tritonllm-admin-key": "let-me-in"}, 200),
+        ):
+            request = urllib.request.Request(
+                f"http://{serve.url}{path}", method=method, headers=headers, data=b"{}" if method == "POST" else None
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    status = response.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            assert status == expected, (path, headers, status)
+    assert serve.ready()
+
+
 def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path):
-    serve = Serve(tmp_path, "--watchdog-seconds", "0")
+    serve = Serve(tmp_path, "--watchdog-seconds", "0", "--admin-key", "let-me-in")
     try:
+        check_restricted_apis(serve)
         running = [in_background(generate, f"Count slowly from one to {n}0.", 24, url=serve.url) for n in (5, 6, 7)]
         time.sleep(1.5)
         serve.process.send_signal(signal.SIGTERM)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from tritonllm.server import OpenAIFrontend, ServerError, TritonServer, probe_engine
+from tritonllm.server import ADMIN_HEADER, OpenAIFrontend, ServerError, TritonServer, is_loopback, probe_engine
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -57,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for the models to load")
     parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("TRITONLLM_ADMIN_KEY"),
+        help="restrict the model-repository, shared-memory, logging and trace APIs to requests with header "
+        "tritonllm-admin-key: KEY (default: $TRITONLLM_ADMIN_KEY; a random key is made when --host is not loopback)",
+    )
+    parser.add_argument(
         "--watchdog-seconds",
         type=float,
         default=5.0,
@@ -72,8 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     repository = args.repository.resolve()
+    if not args.admin_key and not is_loopback(args.host):
+        args.admin_key = secrets.token_urlsafe(24)
+        print(
+            f"serve: listening on {args.host}: the administrative APIs need header {ADMIN_HEADER}: "
+            f"{args.admin_key} (set TRITONLLM_ADMIN_KEY to choose it)",
+            flush=True,
+        )
     server = TritonServer(
-        repository, repository.parent / "tritonserver", args.http_port, args.grpc_port, args.metrics_port, args.host
+        repository,
+        repository.parent / "tritonserver",
+        args.http_port,
+        args.grpc_port,
+        args.metrics_port,
+        args.host,
+        admin_key=args.admin_key,
     )
     frontend = None
     if args.openai_port:

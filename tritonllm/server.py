@@ -75,6 +75,7 @@ class TritonServer:
     metrics_port: int = 8002
     host: str = "127.0.0.1"
     log_file: Path | None = None  # None: inherit this process's stdout/stderr
+    admin_key: str | None = None  # when set, the administrative APIs need header tritonllm-admin-key: <key>
 
     process: subprocess.Popen | None = None
 
@@ -92,6 +93,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             "--disable-auto-complete-config",
             "--exit-on-error=true",
+            *restricted_api_flags(self.admin_key),
         ]
 
     @property
@@ -168,6 +170,25 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
+ADMIN_HEADER = "tritonllm-admin-key"
+
+
+def restricted_api_flags(key: str | None) -> list[str]:
+    """Triton's own restricted-API options: loading/unloading models, shared memory, logging and
+    tracing answer only requests that carry the key (inference, health and metadata stay open)."""
+    if not key:
+        return []
+    return [
+        f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
+        f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
+    ]
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
 def probe_engine(grpc_url: str, engine_model: str = "tensorrt_llm", timeout: float = 10.0) -> str | None:
