@@ -145,17 +145,20 @@ class Targets:
             yield {"model_name": "tensorrt_llm_bls", "inputs": inputs, "request_id": uuid.uuid4().hex}
 
         start = time.perf_counter()
-        first = None
+        first = record = None
+        # Read to the end of the stream (the server closes it after the final response): leaving early
+        # would cancel the call right after its final response.
         async for result, error in self.grpc.stream_infer(requests()):
             if error is not None:
-                return Record(start, time.perf_counter(), None, 0, error.message())
+                record = Record(start, time.perf_counter(), None, 0, error.message())
+                continue
             text = result.as_numpy("text_output")
             if first is None and text is not None and text.reshape(-1)[0]:
                 first = time.perf_counter()
             tokens = result.as_numpy("num_output_tokens")
             if tokens is not None:
-                return Record(start, time.perf_counter(), first, int(tokens.reshape(-1)[0]))
-        return Record(start, time.perf_counter(), first, 0, "the stream ended without a final response")
+                record = Record(start, time.perf_counter(), first, int(tokens.reshape(-1)[0]))
+        return record or Record(start, time.perf_counter(), first, 0, "the stream ended without a final response")
 
     async def ensemble(self, i: int) -> Record:
         import tritonclient.http as httpclient
