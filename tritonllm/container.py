@@ -116,13 +116,18 @@ def tritonserver_args(repository: Path, ports: dict[str, int] = CONTAINER_PORTS,
 
 
 def launch_command(
-    repository: Path, world_size: int, engine_model: str = "tensorrt_llm", ports: dict[str, int] = CONTAINER_PORTS
+    repository: Path,
+    world_size: int,
+    engine_model: str = "tensorrt_llm",
+    ports: dict[str, int] = CONTAINER_PORTS,
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """tritonserver, or for a multi-GPU engine one tritonserver per rank under MPI, as the
     tensorrtllm backend requires (its `launch_triton_server.py` leader mode): every rank gets its
-    own Python-backend shared-memory prefix, and ranks other than 0 load only the engine model."""
+    own Python-backend shared-memory prefix, and ranks other than 0 load only the engine model.
+    `extra` options go to every rank."""
     if world_size == 1:
-        return [TRITONSERVER, *tritonserver_args(repository, ports)]
+        return [TRITONSERVER, *tritonserver_args(repository, ports), *extra]
     command = ["mpirun", "--allow-run-as-root"]
     for rank in range(world_size):
         command += [
@@ -130,6 +135,7 @@ def launch_command(
             "1",
             TRITONSERVER,
             *tritonserver_args(repository, ports),
+            *extra,
             f"--backend-config=python,shm-region-prefix-name=prefix{rank}_",
         ]
         if rank:
@@ -138,14 +144,70 @@ def launch_command(
     return command[:-1]
 
 
+def build_once(build_args: list[str], build_dir: Path) -> int:
+    """build_engines.py with these arguments, unless the build folder already holds their build."""
+    import json
+
+    from tritonllm import build
+
+    stamp = build_dir / "build-args.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == build_args and (build_dir / "manifest.json").is_file():
+        print(f"{build_dir} already holds this build; nothing to do", flush=True)
+        return 0
+    code = build.main(build_args)
+    if code == 0:
+        stamp.write_text(json.dumps(build_args))
+    return code
+
+
+def launch(build_dir: Path, exit_timeout: int) -> None:
+    """In the image: check the build, then become tritonserver (or mpirun with one rank per GPU)."""
+    import json
+    from importlib.metadata import version
+
+    from tritonllm.server import restricted_api_flags
+    from tritonllm.trtllm_engine import check_version, read_engine
+
+    manifest = json.loads((build_dir / "manifest.json").read_text())
+    world_size = 1
+    if manifest["engine"] == "trtllm":
+        info = read_engine(Path(manifest["engine_dir"]))
+        check_version(info, version("tensorrt_llm"))
+        world_size = info.world_size
+    extra = [f"--exit-timeout-secs={exit_timeout}", *restricted_api_flags(os.environ.get("TRITONLLM_ADMIN_KEY"))]
+    command = launch_command(build_dir / "model_repository", world_size, extra=extra)
+    os.execvp(command[0], command)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """For the Makefile: `check [GPUS]` runs the host checks alone; `image` prints the image tag."""
+    """`check [GPUS]`: the host checks; `image`: the image tag (both for the Makefile). In the image
+    (Kubernetes): `build-once -- ARGS` (build_engines.py unless already built), `launch BUILD_DIR`
+    (start serving), `probe [GRPC_URL]` (exit 0 when the engine answers: a liveness probe)."""
+    import argparse
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["image"]:
         print(IMAGE_TAG)
         return 0
+    if argv[:1] == ["build-once"]:
+        build_args = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+        build_dir = Path(build_args[build_args.index("--build-dir") + 1])
+        return build_once(build_args, build_dir)
+    if argv[:1] == ["launch"]:
+        parser = argparse.ArgumentParser(prog="tritonllm.container launch")
+        parser.add_argument("build_dir", type=Path)
+        parser.add_argument("--exit-timeout", type=int, default=60)
+        args = parser.parse_args(argv[1:])
+        launch(args.build_dir, args.exit_timeout)
+        return 0
+    if argv[:1] == ["probe"]:
+        from tritonllm.server import probe_engine
+
+        problem = probe_engine(argv[1] if len(argv) > 1 else "127.0.0.1:8001")
+        if problem:
+            print(f"engine: {problem}", file=sys.stderr)
+        return 1 if problem else 0
     gpus = int(argv[1]) if len(argv) > 1 else 1
     problems = host_problems(gpus_needed=gpus)
     for problem in problems:

@@ -454,15 +454,17 @@ def triton_error(error: InferenceServerException) -> APIError:
 
 def main(argv: list[str] | None = None) -> int:
     import os
+    from pathlib import Path
 
     import uvicorn
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grpc-url", default="127.0.0.1:8001", help="the Triton server's gRPC address")
-    parser.add_argument("--tokenizer-dir", required=True)
-    parser.add_argument("--model-name", help="the name clients use (default: the tokenizer folder's name)")
+    parser.add_argument("--manifest", type=Path, help="build/manifest.json: gives the three options below")
+    parser.add_argument("--tokenizer-dir")
     parser.add_argument("--max-seq-len", type=int, default=4096, help="prompt + generated tokens")
     parser.add_argument("--max-input-len", type=int, default=3072, help="prompt tokens the model takes")
+    parser.add_argument("--model-name", help="the name clients use (default: the tokenizer folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument(
@@ -471,8 +473,12 @@ def main(argv: list[str] | None = None) -> int:
         help="require `Authorization: Bearer KEY` (default: $TRITONLLM_API_KEY; none: open)",
     )
     args = parser.parse_args(argv)
-    from pathlib import Path
-
+    if args.manifest:
+        manifest = json.loads(args.manifest.read_text())
+        args.tokenizer_dir = manifest["tokenizer_dir"]
+        args.max_input_len, args.max_seq_len = manifest["max_input_len"], manifest["max_seq_len"]
+    if not args.tokenizer_dir:
+        parser.error("give --manifest or --tokenizer-dir")
     settings = Settings(
         args.grpc_url,
         args.tokenizer_dir,

