@@ -437,3 +437,23 @@ def test_serve_refuses_a_portable_build_and_missing_pieces(tmp_path, engine_dir,
     manifest["tokenizer_dir"] = str(tokenizer_dir)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     assert load_build(tmp_path).version == "1.2.1"
+
+
+def test_launch_passes_extra_options_to_every_rank():
+    extra = ["--exit-timeout-secs=60", "--http-restricted-api=logging:k=v"]
+    single = container.launch_command(Path("/repo"), 1, extra=extra)
+    assert single[-2:] == extra
+    ranks = " ".join(container.launch_command(Path("/repo"), 2, extra=extra)[2:]).split(" : ")
+    assert all(" ".join(extra) in rank for rank in ranks)
+
+
+def test_build_once_skips_a_build_it_already_made(tmp_path, monkeypatch):
+    from tritonllm import build
+
+    calls = []
+    monkeypatch.setattr(build, "main", lambda args: calls.append(args) or 0)
+    args = ["--engine", "portable", "--build-dir", str(tmp_path)]
+    assert container.build_once(args, tmp_path) == 0 and len(calls) == 1
+    (tmp_path / "manifest.json").write_text("{}")
+    assert container.build_once(args, tmp_path) == 0 and len(calls) == 1, "same arguments: no second build"
+    assert container.build_once([*args, "--max-batch-size", "8"], tmp_path) == 0 and len(calls) == 2
