@@ -8,6 +8,7 @@ sampling, streaming of new tokens, cancellation, and a finish reason.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -162,7 +163,7 @@ class PortableEngine:
         )
         self._manager = self.model.init_continuous_batching(
             generation_config=generation_config,
-            continuous_batching_config=ContinuousBatchingConfig(
+            continuous_batching_config=batching_config(
                 page_size=config.page_size,
                 num_blocks=max(1, config.kv_cache_tokens // config.page_size),
                 max_batch_tokens=config.max_batch_tokens,
@@ -327,6 +328,16 @@ def _finish(active: _Active, reason: str, error: str | None = None) -> None:
         ttft = first - active.submitted
         tpot = (last - first) / (active.seen - 1) if active.seen > 1 else None
     active.emit(Emission(list(tokens), reason, error, ttft, tpot))
+
+
+def batching_config(**options) -> ContinuousBatchingConfig:
+    """A ContinuousBatchingConfig from the options this transformers release knows. Releases before
+    5.17's rename call `page_size` `block_size`, and some lack `auto_switch_to_flash` (then they
+    never switch the attention implementation): NVIDIA's and other images pin their own release."""
+    known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    if "page_size" not in known and "page_size" in options:
+        options["block_size"] = options.pop("page_size")
+    return ContinuousBatchingConfig(**{k: v for k, v in options.items() if k in known})
 
 
 def _processor_list(processors: list[ContinuousBatchingLogitsProcessor]) -> ContinuousBatchingLogitsProcessorList:
