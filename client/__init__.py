@@ -62,7 +62,7 @@ def request_tensors(
     return tensors
 
 
-def _inputs(module, tensors: list[tuple[str, np.ndarray, str]]) -> list:
+def infer_inputs(module, tensors: list[tuple[str, np.ndarray, str]]) -> list:
     """tritonclient InferInput objects of `module` (http or grpc)."""
     inputs = []
     for name, value, datatype in tensors:
@@ -85,7 +85,7 @@ def generate(
     bad_words, chat). Raises GenerationError with the server's message when the request is refused."""
     with httpclient.InferenceServerClient(url, connection_timeout=timeout, network_timeout=timeout) as triton:
         try:
-            result = triton.infer(model, _inputs(httpclient, request_tensors(prompt, max_tokens, **options)))
+            result = triton.infer(model, infer_inputs(httpclient, request_tensors(prompt, max_tokens, **options)))
         except InferenceServerException as exc:
             raise GenerationError(exc.message(), exc.status()) from None
         except http.client.HTTPException as exc:  # e.g. the server closed the connection while stopping
@@ -131,7 +131,7 @@ def stream(
         triton.start_stream(callback=lambda result, error: responses.put((result, error)), stream_timeout=timeout)
         # If the stream broke (no server?), the reason arrives through the callback, below.
         with contextlib.suppress(InferenceServerException):
-            triton.async_stream_infer(model, _inputs(grpcclient, tensors), request_id=uuid.uuid4().hex)
+            triton.async_stream_infer(model, infer_inputs(grpcclient, tensors), request_id=uuid.uuid4().hex)
         while True:
             try:
                 result, error = responses.get(timeout=timeout)

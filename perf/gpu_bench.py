@@ -174,7 +174,7 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     from tritonllm.build import main as build_main
-    from tritonllm.server import TritonServer, free_port
+    from tritonllm.server import TritonServer
 
     build = args.work / "build"
     code = build_main(
@@ -202,14 +202,7 @@ def main() -> int:
         ]
     )
     assert code == 0
-    server = TritonServer(
-        build / "model_repository",
-        build / "tritonserver",
-        free_port(),
-        free_port(),
-        free_port(),
-        log_file=args.work / "server.log",
-    )
+    server = TritonServer.on_free_ports(build, log_file=args.work / "server.log")
     started = time.perf_counter()
     server.start(timeout=540)
     report["server_ready_s"] = round(time.perf_counter() - started, 1)

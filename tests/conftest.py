@@ -48,14 +48,7 @@ def server(tmp_path_factory):
 
     _manifest()
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    triton = TritonServer(
-        BUILD / "model_repository",
-        BUILD / "tritonserver",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        log_file=log,
-    )
+    triton = TritonServer.on_free_ports(BUILD, log_file=log)
     try:
         triton.start(timeout=600)
     except Exception:

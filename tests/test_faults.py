@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from client import GenerationError, _inputs, generate, request_tensors
+from client import GenerationError, generate, infer_inputs, request_tensors
 from tests.conftest import BUILD, ROOT
 from tests.test_streaming import wait_for_in_flight
 from tritonllm.server import free_port
@@ -181,7 +181,7 @@ def test_client_timeout_ends_the_request_and_frees_its_slot(server):
         ("stream", np.array([[True]]), "BOOL"),
         ("end_id", np.array([[-1]], np.int32), "INT32"),
     ]
-    triton.async_stream_infer("tensorrt_llm_bls", _inputs(grpcclient, tensors))
+    triton.async_stream_infer("tensorrt_llm_bls", infer_inputs(grpcclient, tensors))
     time.sleep(4)
     triton.stop_stream()
     triton.close()

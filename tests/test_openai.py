@@ -12,7 +12,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
-from client import _inputs, generate, request_tensors
+from client import generate, infer_inputs, request_tensors
 from tests.test_streaming import in_flight, wait_for_in_flight
 
 pytestmark = pytest.mark.integration
@@ -173,7 +173,7 @@ def test_server_busy_is_429(api, model, server):
                 ("stream", np.array([[True]]), "BOOL"),
                 ("end_id", np.array([[-1]], np.int32), "INT32"),
             ]
-            triton.async_stream_infer("tensorrt_llm_bls", _inputs(grpcclient, tensors))
+            triton.async_stream_infer("tensorrt_llm_bls", infer_inputs(grpcclient, tensors))
             clients.append(triton)
         assert wait_for_in_flight(server, capacity) == capacity
         with pytest.raises(openai.RateLimitError, match="server busy"):

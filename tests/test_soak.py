@@ -20,7 +20,7 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 import tritonclient.http.aio as httpaio
 
-from client import _inputs, request_tensors
+from client import infer_inputs, request_tensors
 from tests.test_streaming import wait_for_in_flight
 from tritonllm.loadgen import load_prompts
 
@@ -57,7 +57,7 @@ async def soak(server, count: int, seed: int) -> list[str]:
         tensors = request_tensors(rng.choice(prompts), max_tokens, chat=rng.random() < 0.25)
         if i % 2:
             tensors.append(("stream", np.array([[True]]), "BOOL"))
-            inputs = _inputs(grpcclient, tensors)
+            inputs = infer_inputs(grpcclient, tensors)
 
             async def requests():
                 yield {"model_name": "tensorrt_llm_bls", "inputs": inputs, "request_id": uuid.uuid4().hex}
@@ -73,7 +73,7 @@ async def soak(server, count: int, seed: int) -> list[str]:
                 failures.append(f"stream {i}: ended without a final response")
         else:
             try:
-                result = await http.infer("ensemble", _inputs(httpclient, tensors))
+                result = await http.infer("ensemble", infer_inputs(httpclient, tensors))
                 assert result.as_numpy("text_output") is not None
             except Exception as exc:
                 failures.append(f"ensemble {i}: {exc}")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from client import _inputs, generate, request_tensors, stream
+from client import generate, infer_inputs, request_tensors, stream
 from tests.conftest import ROOT
 from tritonllm.detokenization import REPLACEMENT
 
@@ -105,7 +105,7 @@ def test_sixteen_concurrent_streams_with_request_ids_on_one_connection(urls):
     try:
         for rid, prompt in prompts.items():
             tensors = [*request_tensors(prompt, 16), ("stream", np.array([[True]]), "BOOL")]
-            triton.async_stream_infer("tensorrt_llm_bls", _inputs(grpcclient, tensors), request_id=rid)
+            triton.async_stream_infer("tensorrt_llm_bls", infer_inputs(grpcclient, tensors), request_id=rid)
         finished = set()
         while len(finished) < len(prompts):
             kind, value = done.get(timeout=300)
@@ -209,7 +209,7 @@ def test_cancelled_streams_free_the_engine(server, urls):
             ("stream", np.array([[True]]), "BOOL"),
             ("end_id", np.array([[-1]], np.int32), "INT32"),
         ]
-        triton.async_stream_infer("tensorrt_llm_bls", _inputs(grpcclient, tensors))
+        triton.async_stream_infer("tensorrt_llm_bls", infer_inputs(grpcclient, tensors))
         clients.append(triton)
     assert texts.get(timeout=120), "the streams must be generating before they are cancelled"
     assert wait_for_in_flight(server, 20) == 20

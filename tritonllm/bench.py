@@ -158,7 +158,7 @@ def plain_generate(manifest: dict, prompts: list[str], max_tokens: int, requests
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
-    from tritonllm.server import TritonServer, free_port
+    from tritonllm.server import TritonServer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build-dir", type=Path, default=Path("build"))
@@ -172,14 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = load_prompts()
     tokenizer = AutoTokenizer.from_pretrained(manifest["tokenizer_dir"])
 
-    server = TritonServer(
-        build / "model_repository",
-        build / "tritonserver",
-        free_port(),
-        free_port(),
-        free_port(),
-        log_file=build / "bench-server.log",
-    )
+    server = TritonServer.on_free_ports(build, log_file=build / "bench-server.log")
     server.start()
     try:
         grpc_url = f"{server.host}:{server.grpc_port}"

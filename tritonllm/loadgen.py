@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from client import infer_inputs
+
 PROMPTS = Path(__file__).resolve().parent.parent / "perf" / "prompts.json"
 
 
@@ -134,7 +136,7 @@ class Targets:
         tensors.append(("end_id", np.array([[-1]], np.int32), "INT32"))
         if stream:
             tensors.append(("stream", np.array([[True]]), "BOOL"))
-        return _inputs(module, tensors)
+        return infer_inputs(module, tensors)
 
     async def stream(self, i: int) -> Record:
         import tritonclient.grpc as grpcclient
@@ -181,19 +183,10 @@ class Targets:
         ]
         start = time.perf_counter()
         try:
-            result = await self.http.infer("tensorrt_llm_bridge", _inputs(httpclient, tensors))
+            result = await self.http.infer("tensorrt_llm_bridge", infer_inputs(httpclient, tensors))
         except Exception as exc:
             return Record(start, time.perf_counter(), None, 0, str(exc))
         return Record(start, time.perf_counter(), None, int(result.as_numpy("sequence_length").reshape(-1)[0]))
-
-
-def _inputs(module, tensors) -> list:
-    inputs = []
-    for name, value, datatype in tensors:
-        tensor = module.InferInput(name, list(value.shape), datatype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
 
 
 async def sweep(targets: Targets, names: Sequence[str], levels: Sequence[int], requests_per_level) -> list[LevelResult]:

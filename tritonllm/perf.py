@@ -248,7 +248,7 @@ def summary(pa: dict[str, list[dict]], tokens: list[LevelResult], genai: list[di
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tritonllm.server import TritonServer, free_port
+    from tritonllm.server import TritonServer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--http-url", default="127.0.0.1:8000")
@@ -268,14 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     server = TritonServer(build / "model_repository", build / "tritonserver", http_port=int(port), host=host)
     if not server.is_ready():
         print("No server answers at", args.http_url, "- starting one on free ports ...", flush=True)
-        server = TritonServer(
-            build / "model_repository",
-            build / "tritonserver",
-            free_port(),
-            free_port(),
-            free_port(),
-            log_file=out / "server.log",
-        )
+        server = TritonServer.on_free_ports(build, log_file=out / "server.log")
         server.start()
         args.http_url, args.grpc_url = server.http_url, f"{server.host}:{server.grpc_port}"
     else:

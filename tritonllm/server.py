@@ -79,6 +79,18 @@ class TritonServer:
 
     process: subprocess.Popen | None = None
 
+    @classmethod
+    def on_free_ports(cls, build_dir: Path, log_file: Path | None = None) -> TritonServer:
+        """A server for build_dir's repository on ports nothing uses (tests, benchmarks)."""
+        return cls(
+            build_dir / "model_repository",
+            build_dir / "tritonserver",
+            free_port(),
+            free_port(),
+            free_port(),
+            log_file=log_file,
+        )
+
     def command(self) -> list[str]:
         binary = pytriton_root() / "tritonserver" / "bin" / "tritonserver"
         return [
