@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -62,20 +63,81 @@ def prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
     return [((base * (tokens // len(base) + 2))[i % 7 : i % 7 + tokens]) for i in range(n)]
 
 
-def in_process(model, ids: list[list[int]], output_tokens: int, graphs: bool) -> float:
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+def run_engine(engine, batches: list[list[list[int]]], output_tokens: int) -> dict:
+    """Each batch of prompts submitted at once, one batch after the other: output tokens/s, TTFT p50."""
+    from tritonllm.engine import GenerationRequest
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=output_tokens, eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(use_cuda_graph=graphs, max_memory_percent=0.5)
-    rate = 0.0
-    for _ in range(2):  # the second run is warm: CUDA graphs captured, allocator settled
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        outputs = model.generate_batch(ids, generation_config=config, continuous_batching_config=cb)
-        elapsed = time.perf_counter() - started
-        rate = sum(len(o.generated_tokens) for o in outputs.values()) / elapsed
-    return rate
+    finals, tokens = [], 0
+    started = time.perf_counter()
+    for batch in batches:
+        done = threading.Semaphore(0)
+
+        def emit(emission, done=done):
+            if emission.final:
+                finals.append(emission)
+                done.release()
+
+        for ids in batch:
+            engine.submit(GenerationRequest(ids, output_tokens), emit)
+        for _ in batch:
+            done.acquire()
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(f.token_ids) for f in finals)
+    assert all(f.error is None for f in finals), [f.error for f in finals if f.error]
+    return {
+        "output_tokens_per_s": round(tokens / elapsed, 1),
+        "ttft_p50_ms": round(float(np.percentile([f.time_to_first_token for f in finals], 50)) * 1000, 1),
+    }
+
+
+def in_process(model_dir: Path, ids: list[list[int]], output_tokens: int, graphs: bool, seq_len: int) -> dict:
+    """The portable engine in this process, with or without CUDA graphs: 3 single streams, then all requests."""
+    import gc
+
+    from tritonllm.engine import EngineConfig, PortableEngine
+
+    started = time.perf_counter()
+    engine = PortableEngine(
+        EngineConfig(
+            model_dir=str(model_dir),
+            device="cuda",
+            dtype="bfloat16",
+            max_batch_size=len(ids),
+            max_seq_len=seq_len,
+            kv_cache_tokens=len(ids) * seq_len,
+            max_batch_tokens=4096,
+            cuda_graphs=graphs,
+        )
+    )
+    result = {"start_s": round(time.perf_counter() - started, 1)}
+    try:
+        run_engine(engine, [ids[:8]], 8)  # warm-up
+        result["c1"] = run_engine(engine, [[i] for i in ids[:3]], output_tokens)
+        run_engine(engine, [ids], output_tokens)  # the first full batch meets new shapes
+        result[f"c{len(ids)}"] = run_engine(engine, [ids], output_tokens)
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
+def sampling_ms(rows: int, vocab: int) -> float:
+    """Time of the sampling processors' tensor work for `rows` rows (paid every step under CUDA graphs)."""
+    from tritonllm.sampling import sample
+
+    scores = torch.randn(rows, vocab, device="cuda")
+    ones = torch.ones(rows, device="cuda")
+    args = (ones, torch.zeros(rows, dtype=torch.int32, device="cuda"), ones, torch.arange(rows, device="cuda"))
+    for _ in range(3):
+        sample(scores, *args)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(20):
+        sample(scores, *args)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / 20 * 1000
 
 
 def generate_batch_1(model, ids: list[int], tokens: int) -> float:
@@ -90,7 +152,7 @@ def generate_batch_1(model, ids: list[int], tokens: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
-async def served(grpc_url: str, ids_text: list[str], output_tokens: int, concurrency: int) -> dict:
+async def served(grpc_url: str, ids_text: list[str], output_tokens: int, concurrency: int, sampled=False) -> dict:
     import tritonclient.grpc as grpcclient
     import tritonclient.grpc.aio as grpcaio
 
@@ -105,6 +167,12 @@ async def served(grpc_url: str, ids_text: list[str], output_tokens: int, concurr
             ("end_id", np.array([[-1]], np.int32), "INT32"),
             ("stream", np.array([[True]]), "BOOL"),
         ]
+        if sampled:
+            tensors += [
+                ("temperature", np.array([[0.8]], np.float32), "FP32"),
+                ("top_p", np.array([[0.95]], np.float32), "FP32"),
+                ("seed", np.array([[i]], np.uint64), "UINT64"),
+            ]
         inputs = []
         for name, value, dt in tensors:
             t = grpcclient.InferInput(name, list(value.shape), dt)
@@ -161,17 +229,22 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 2),
     }
+    import transformers
+
+    report["transformers"] = transformers.__version__
+    seq_len = args.prompt_tokens + args.output_tokens + 64
     if not args.skip_in_process:
         report["generate_batch_1"] = round(generate_batch_1(model, ids[0], 64), 1)
-        for graphs in (False, True):
-            rate = in_process(model, ids, args.output_tokens, graphs)
-            report[f"in_process_cuda_graphs_{graphs}"] = round(rate, 1)
-            print(json.dumps(report), flush=True)
+        report[f"sampling_ms_{args.requests}_rows"] = round(sampling_ms(args.requests, QWEN_7B["vocab_size"]), 2)
     started = time.perf_counter()
     model.save_pretrained(model_dir)
     report["save_s"] = round(time.perf_counter() - started, 1)
     del model
     torch.cuda.empty_cache()
+    if not args.skip_in_process:
+        for graphs in (False, True):
+            report[f"in_process_cuda_graphs_{graphs}"] = in_process(model_dir, ids, args.output_tokens, graphs, seq_len)
+            print(json.dumps(report), flush=True)
 
     from tritonllm.build import main as build_main
     from tritonllm.server import TritonServer
@@ -192,7 +265,7 @@ def main() -> int:
             "--max-queue-size",
             str(args.requests),
             "--max-seq-len",
-            str(args.prompt_tokens + args.output_tokens + 64),
+            str(seq_len),
             "--max-input-len",
             str(args.prompt_tokens + 32),
             "--kv-cache-gib",
@@ -212,7 +285,14 @@ def main() -> int:
         asyncio.run(served(grpc_url, texts[:8], 8, 8))  # warm-up
         report["served_c1"] = asyncio.run(served(grpc_url, texts[:3], args.output_tokens, 1))
         print(json.dumps(report), flush=True)
-        report[f"served_c{args.requests}"] = asyncio.run(served(grpc_url, texts, args.output_tokens, args.requests))
+        everything = f"served_c{args.requests}"
+        report[everything + "_first"] = asyncio.run(served(grpc_url, texts, args.output_tokens, args.requests))
+        print(json.dumps(report), flush=True)
+        report[everything] = asyncio.run(served(grpc_url, texts, args.output_tokens, args.requests))
+        print(json.dumps(report), flush=True)
+        report[everything + "_sampled"] = asyncio.run(
+            served(grpc_url, texts, args.output_tokens, args.requests, sampled=True)
+        )
     finally:
         server.stop()
     print(json.dumps(report), flush=True)

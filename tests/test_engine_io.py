@@ -5,7 +5,7 @@ import pytest
 
 from tritonllm.engine_io import pack_outputs, parse_requests, sampling_params
 from tritonllm.errors import InputError
-from tritonllm.tokenization import Limits, word_list
+from tritonllm.tokenization import MAX_WORDS, Limits, word_list
 
 LIMITS = Limits(max_input_len=8, max_seq_len=16, vocab_size=100)
 
@@ -53,6 +53,9 @@ def test_parse_batch_with_lengths_and_words():
         (arrays([1, 2], input_lengths=np.array([5], np.int32)), "input_lengths"),
         (arrays([[1, 2], [3, 4]], streaming=np.array([True, True])), "streaming"),
         (arrays([1, 2], temperature=np.array([-1.0], np.float32)), "temperature"),
+        (arrays([1, 2], bad_words_list=word_list([(i,) for i in range(MAX_WORDS + 1)])), "bad_words_list"),
+        (arrays([1, 2], bad_words_list=word_list([(5, 100)])), "bad_words_list"),  # outside the vocabulary
+        (arrays([1, 2], stop_words_list=word_list([(-3,)])), "stop_words_list"),
         ({}, "input_ids"),
     ],
 )

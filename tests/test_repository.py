@@ -22,6 +22,7 @@ PLAN = BuildPlan(
         "dtype": "float32",
         "kv_cache_tokens": "1024",
         "max_batch_tokens": "64",
+        "cuda_graphs": "false",
         "engine_instance_kind": "KIND_CPU",
     },
 )

@@ -108,9 +108,15 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "dtype": dtype,
             "kv_cache_tokens": str(kv_cache_tokens),
             "max_batch_tokens": str(args.max_batch_tokens),
+            "cuda_graphs": str(device == "cuda" and args.cuda_graphs).lower(),
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
-        details={"device": device, "kv_cache_tokens": kv_cache_tokens, "max_batch_tokens": args.max_batch_tokens},
+        details={
+            "device": device,
+            "kv_cache_tokens": kv_cache_tokens,
+            "max_batch_tokens": args.max_batch_tokens,
+            "cuda_graphs": device == "cuda" and args.cuda_graphs,
+        },
     )
 
 
@@ -252,6 +258,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     portable = parser.add_argument_group("portable engine")
     portable.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     portable.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (prefill chunk)")
+    portable.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA, capture engine steps in CUDA graphs (default: on)",
+    )
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
     trt = parser.add_argument_group("TensorRT-LLM engine")
     trt.add_argument("--quant", choices=list(QUANT_ALGOS), default="none", help="weight (and activation) quantization")

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
@@ -26,7 +25,8 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-from tritonllm.sampling import SamplingProcessor
+from tritonllm.sampling import BadWords, Sampling, ends_with
+from tritonllm.tokenization import MAX_WORDS
 
 log = logging.getLogger(__name__)
 
@@ -103,40 +103,6 @@ class _Active:
     token_times: tuple[float, float] | None = None  # (first, last) generated token, perf_counter clock
 
 
-class BadWordsProcessor(ContinuousBatchingLogitsProcessor):
-    """Bans, per request, the last token of each bad word sequence whose other tokens were just generated."""
-
-    supported_kwargs: ClassVar[dict[str, type]] = {"bad_words": tuple}
-    ignored_kwargs: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self) -> None:
-        self._bans: list[tuple[int, list[int]]] = []
-
-    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
-        int32_tensor.zero_()
-
-    def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:
-        self._bans = []
-        for row, future in enumerate(requests_with_new_token):
-            words = future.state.logit_processor_kwargs.get("bad_words")
-            if words:
-                state = future.state
-                context = state.initial_tokens + state.generated_tokens
-                banned = [w[-1] for w in words if len(w) == 1 or _ends_with(context, w[:-1])]
-                if banned:
-                    self._bans.append((row, banned))
-        return torch.zeros(len(requests_with_new_token), dtype=torch.int32)
-
-    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        for row, banned in self._bans:
-            scores[row, banned] = float("-inf")
-        return scores
-
-
-def _ends_with(tokens: list[int], suffix: tuple[int, ...]) -> bool:
-    return len(tokens) >= len(suffix) and tuple(tokens[len(tokens) - len(suffix) :]) == suffix
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: str
@@ -147,6 +113,9 @@ class EngineConfig:
     kv_cache_tokens: int = 16384  # KV cache capacity, in tokens, across all requests
     max_batch_tokens: int = 512  # tokens per forward step; longer prompts are prefilled in chunks
     page_size: int = 128
+    # Capture each step (forward, sampling, bad words) in CUDA graphs: batch-1 decode is bound by
+    # kernel launches without them. CUDA devices only.
+    cuda_graphs: bool = False
 
 
 class PortableEngine:
@@ -168,14 +137,20 @@ class PortableEngine:
                 num_blocks=max(1, config.kv_cache_tokens // config.page_size),
                 max_batch_tokens=config.max_batch_tokens,
                 max_requests_per_batch=config.max_batch_size,
-                # The processors below find their rows on the host for each batch: keep the
-                # batch preparation and the forward pass in lock step (no graphs, no async).
-                use_cuda_graph=False,
+                use_cuda_graph=config.cuda_graphs,
+                # Async batching prepares a step before the previous one has produced its tokens; the
+                # bad-word bans and sampling positions prepared on the host need them.
                 use_async_batching=False,
                 auto_switch_to_flash=False,
             ),
         )
-        self._manager.logit_processor = _processor_list([SamplingProcessor(), BadWordsProcessor()])
+        graphs = config.cuda_graphs
+        self._manager.logit_processor = _processor_list(
+            [*Sampling(always=graphs).processors(), *BadWords(always=graphs, max_words=MAX_WORDS).processors()]
+        )
+        if graphs and hasattr(self._manager, "warmup"):
+            # Capture the graphs of every batch shape now rather than in the first requests' latency.
+            self._manager.warmup()
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -188,6 +163,8 @@ class PortableEngine:
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         """Queue a request; `emit` is called from the engine's thread as tokens arrive."""
+        if len(request.bad_words) > MAX_WORDS:
+            raise ValueError(f"{len(request.bad_words)} bad words, more than the limit of {MAX_WORDS}")
         request_id = f"r{next(self._ids)}"
         active = _Active(request, emit)
         kwargs = request.sampling.as_kwargs()
@@ -289,7 +266,7 @@ class PortableEngine:
                 reason = FINISH_END_ID
                 break
             active.tokens.append(token)
-            if any(_ends_with(active.tokens, word) for word in request.stop_words):
+            if any(ends_with(active.tokens, word) for word in request.stop_words):
                 reason = FINISH_STOP
                 self._manager.cancel_request(request_id)
                 break

@@ -15,7 +15,7 @@ import numpy as np
 
 from tritonllm.engine import GenerationRequest, SamplingParams
 from tritonllm.errors import InputError
-from tritonllm.tokenization import Limits, check_sampling, parse_word_list, scalar
+from tritonllm.tokenization import MAX_WORDS, Limits, check_sampling, parse_word_list, scalar
 
 
 def sampling_params(temperature, top_k, top_p, seed) -> SamplingParams:
@@ -78,15 +78,15 @@ def parse_requests(arrays: dict[str, np.ndarray], limits: Limits) -> list[Genera
                     scalar(arrays, "runtime_top_p", row),
                     scalar(arrays, "seed", row),
                 ),
-                stop_words=_row_words(arrays, "stop_words_list", row),
-                bad_words=_row_words(arrays, "bad_words_list", row),
+                stop_words=_row_words(arrays, "stop_words_list", row, limits),
+                bad_words=_row_words(arrays, "bad_words_list", row, limits),
                 streaming=streaming,
             )
         )
     return requests
 
 
-def _row_words(arrays: dict[str, np.ndarray], name: str, row: int) -> tuple[tuple[int, ...], ...]:
+def _row_words(arrays: dict[str, np.ndarray], name: str, row: int, limits: Limits) -> tuple[tuple[int, ...], ...]:
     array = arrays.get(name)
     if array is None:
         return ()
@@ -94,7 +94,12 @@ def _row_words(arrays: dict[str, np.ndarray], name: str, row: int) -> tuple[tupl
         array = array[None]
     if array.ndim != 3 or array.shape[1] != 2:
         raise InputError(name, f"must have shape [batch, 2, length], got {list(array.shape)}")
-    return parse_word_list(array[row % array.shape[0]])
+    words = parse_word_list(array[row % array.shape[0]])
+    if len(words) > MAX_WORDS:
+        raise InputError(name, f"{len(words)} words, more than the limit of {MAX_WORDS}")
+    if any(not 0 <= token < limits.vocab_size for word in words for token in word):
+        raise InputError(name, f"token ids must be in [0, {limits.vocab_size})")
+    return words
 
 
 def exclude_input(arrays: dict[str, np.ndarray], default: bool) -> bool:

@@ -76,6 +76,7 @@ class EngineModel:
                 max_seq_len=self.limits.max_seq_len,
                 kv_cache_tokens=int(params["kv_cache_tokens"]),
                 max_batch_tokens=int(params["max_batch_tokens"]),
+                cuda_graphs=device != "cpu" and flag(params.get("cuda_graphs", "false")),
             )
         )
         started = time.perf_counter()

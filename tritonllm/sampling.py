@@ -1,15 +1,20 @@
-"""Per-request sampling inside transformers' continuous batching.
+"""Per-request sampling and bad words inside transformers' continuous batching, as tensor operations.
 
 transformers' batching manager samples with one global switch (`do_sample`) and one global random
-generator, so a request's result would depend on which other requests share its batch, and greedy
-requests would pay for sorting the vocabulary. This processor runs with `do_sample=False` (argmax)
-and, for the rows of requests that asked for sampling only, draws the token itself with a generator
-seeded from the request's seed and position, then leaves that token as the row's only finite score.
-Greedy rows are untouched, so greedy output is exactly `generate(do_sample=False)`'s.
+generator, so a request's result would depend on which other requests share its batch. The engine
+runs the manager greedy (argmax) and these processors turn the row of each sampling request into a
+one-hot row of the token drawn for it: temperature, top-k, top-p, then a Gumbel-max draw whose noise
+is a counter-based hash of (request seed, position, token id). A draw therefore depends on the request
+alone, and greedy rows are untouched, so greedy output is exactly `generate(do_sample=False)`'s.
+
+The manager gives each processor one int32 row of per-request arguments, prepared on the host before
+each step. Everything computed from those rows is tensor operations of fixed shape, with no host
+synchronisation, so the processing is captured in the manager's CUDA graphs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -18,76 +23,189 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 
 _MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflows float32; sampling is greedy there anyway
+GREEDY = -1  # the seed row of a request that does not sample
 
 
-def _step_seed(seed: int, position: int) -> int:
-    """A 63-bit seed for one step of one request (splitmix64 of seed and position)."""
+def step_seed(seed: int, position: int) -> int:
+    """A 31-bit seed for one step of one request (splitmix64 of seed and position)."""
     z = (seed + 0x9E3779B97F4A7C15 * (position + 1)) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
+    return (z ^ (z >> 31)) >> 33
 
 
-def sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator) -> int:
-    """Draw one token id from a 1-D row of logits with temperature, top-k and top-p (nucleus) filtering."""
-    scores = logits.float() / temperature
-    if 0 < top_k < scores.numel():
-        scores, ids = torch.topk(scores, top_k)
-    else:
-        scores, ids = torch.sort(scores, descending=True)
-    probs = scores.softmax(-1)
-    if top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (always at least the most likely token).
-        keep = int(torch.searchsorted(probs.cumsum(-1), torch.tensor([top_p], device=probs.device))) + 1
-        probs = probs[:keep]
-    choice = torch.multinomial(probs, 1, generator=generator)
-    return int(ids[choice])
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values below 2**32. Its multipliers are below
+    2**31, so no product overflows int64 (hash-prospector's two-round xorshift-multiply family)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
 
 
-class SamplingProcessor(ContinuousBatchingLogitsProcessor):
-    """Seeded temperature / top-k / top-p sampling for the requests that ask for it.
+def uniform(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in (0, 1), one per (row seed, token id): seeds [B], token_ids [B, V]."""
+    keys = _mix32(seeds.long() & _MASK32).unsqueeze(-1)
+    bits = _mix32(token_ids.long() ^ keys) >> 8  # 24 bits: what float32 holds exactly
+    return (bits.float() + 0.5) * (1.0 / (1 << 24))
 
-    Requests pass `sample=True, temperature=, top_k=, top_p=, seed=` as logit-processor kwargs.
-    The rows to sample are found on the host when the batch is prepared; this relies on the
-    manager calling `prepare_tensor_args` and `__call__` in turn for each batch, which holds
-    when CUDA graphs and async batching are off (the engine turns them off).
+
+def sample(
+    scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor
+) -> torch.Tensor:
+    """Rows with a seed >= 0 become one-hot (0 at the drawn token, -inf elsewhere); the others are returned as
+    they are. scores [B, V] float32; temperature, top_p [B] float32; top_k [B] int (0 = off); seeds [B] int."""
+    vocab = scores.size(-1)
+    values, order = (scores / temperature.unsqueeze(-1)).sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scores.device).unsqueeze(0)
+    keep = rank < torch.where(top_k > 0, top_k, vocab).unsqueeze(-1)
+    probs = values.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    # Nucleus: the smallest prefix whose mass reaches top_p, i.e. the tokens whose predecessors' mass is below it.
+    keep &= (probs.cumsum(dim=-1) - probs) < top_p.unsqueeze(-1)
+    keep |= rank == 0
+    gumbel = -torch.log(-torch.log(uniform(seeds, order)))
+    choice = (values + gumbel).masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True)
+    drawn = torch.full_like(scores, float("-inf")).scatter_(1, order.gather(1, choice), 0.0)
+    return torch.where((seeds >= 0).unsqueeze(-1), drawn, scores)
+
+
+def ban(scores: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """Sets scores[row, id] to -inf for each id >= 0 of banned [B, N]; ids < 0 are empty places."""
+    fill = torch.where(banned >= 0, float("-inf"), float("inf")).to(scores.dtype)
+    return scores.scatter_reduce(1, banned.clamp(min=0).long(), fill, reduce="amin")
+
+
+class ArgumentGroup:
+    """Per-request values that need several argument rows, and the tensor function that uses them.
+
+    transformers gives each processor one row, so a group registers one `ArgumentRow` processor per row
+    (see `processors`): the first prepares all rows on the host, the last applies `apply` to all of them.
+    In eager mode a step whose rows all hold their defaults skips `apply`; `always` (CUDA graphs, whose
+    captured work cannot depend on the batch) applies it every step.
     """
 
-    supported_kwargs: ClassVar[dict[str, type]] = {
+    kwargs: ClassVar[dict[str, type]]
+    defaults: ClassVar[Sequence[torch.Tensor]]  # one int32 bit pattern per row
+
+    def __init__(self, always: bool) -> None:
+        self.always = always
+        self.active = always
+        self._rows: torch.Tensor | None = None
+        self._received: list[torch.Tensor] = []
+
+    def processors(self) -> list[ArgumentRow]:
+        return [ArgumentRow(self, index) for index in range(len(self.defaults))]
+
+    def prepare(self, requests: list) -> torch.Tensor:
+        """int32 [rows, len(requests)] on the host; sets `active` when some row differs from its default."""
+        raise NotImplementedError
+
+    def apply(self, scores: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _row(self, index: int, requests: list) -> torch.Tensor:
+        if index == 0:
+            self._rows = self.prepare(requests)
+            defaults = torch.stack(list(self.defaults)).unsqueeze(-1)
+            self.active = self.always or bool(self._rows.ne(defaults).any())
+        return self._rows[index]
+
+    def _receive(self, index: int, scores: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        if index == 0:
+            self._received = []
+        self._received.append(row[: scores.size(0)])
+        if index < len(self.defaults) - 1 or not self.active:
+            return scores
+        return self.apply(scores, self._received)
+
+
+class ArgumentRow(ContinuousBatchingLogitsProcessor):
+    """One argument row of an ArgumentGroup, in the shape of a transformers per-request processor."""
+
+    ignored_kwargs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, group: ArgumentGroup, index: int) -> None:
+        self.group = group
+        self.index = index
+        self.supported_kwargs = group.kwargs if index == 0 else {}
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.fill_(int(self.group.defaults[self.index]))
+
+    def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:
+        return self.group._row(self.index, requests_with_new_token)
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        return self.group._receive(self.index, scores, tensor_arg)
+
+
+def _bits(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32).view(torch.int32)
+
+
+class Sampling(ArgumentGroup):
+    """Requests pass `sample=True, temperature=, top_k=, top_p=, seed=` as logit-processor kwargs."""
+
+    kwargs: ClassVar[dict[str, type]] = {
         "sample": bool,
         "temperature": float,
         "top_k": int,
         "top_p": float,
         "seed": int,
     }
-    ignored_kwargs: ClassVar[tuple[str, ...]] = ()
+    # temperature (float32 bits), top_k, top_p (float32 bits), step seed
+    defaults: ClassVar[Sequence[torch.Tensor]] = (_bits(1.0), torch.tensor(0), _bits(1.0), torch.tensor(GREEDY))
 
-    def __init__(self) -> None:
-        self._rows: list[tuple[int, float, int, float, int]] = []
-
-    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
-        int32_tensor.zero_()
-
-    def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:
-        self._rows = []
-        for row, future in enumerate(requests_with_new_token):
+    def prepare(self, requests: list) -> torch.Tensor:
+        temperature, top_k, top_p, seeds = [], [], [], []
+        for future in requests:
             kwargs = future.state.logit_processor_kwargs
             if kwargs.get("sample"):
-                position = future.state.generated_len()
-                self._rows.append(
-                    (row, kwargs["temperature"], kwargs["top_k"], kwargs["top_p"], _step_seed(kwargs["seed"], position))
-                )
-        flags = torch.zeros(len(requests_with_new_token), dtype=torch.int32)
-        flags[[r[0] for r in self._rows]] = 1
-        return flags
+                temperature.append(max(kwargs["temperature"], MIN_TEMPERATURE))
+                top_k.append(min(kwargs["top_k"], 2**31 - 1))
+                top_p.append(kwargs["top_p"])
+                seeds.append(step_seed(kwargs["seed"], future.state.generated_len()))
+            else:
+                temperature.append(1.0)
+                top_k.append(0)
+                top_p.append(1.0)
+                seeds.append(GREEDY)
+        floats = torch.tensor([temperature, top_p], dtype=torch.float32).view(torch.int32)
+        ints = torch.tensor([top_k, seeds], dtype=torch.int32)
+        return torch.stack([floats[0], ints[0], floats[1], ints[1]])
 
-    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        if not self._rows:
-            return scores
-        generator = torch.Generator(device=scores.device)
-        for row, temperature, top_k, top_p, seed in self._rows:
-            generator.manual_seed(seed)
-            token = sample_row(scores[row], temperature, top_k, top_p, generator)
-            scores[row].fill_(float("-inf"))
-            scores[row, token] = 0.0
-        return scores
+    def apply(self, scores: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+        temperature, top_k, top_p, seeds = rows
+        return sample(scores, temperature.view(torch.float32), top_k, top_p.view(torch.float32), seeds)
+
+
+class BadWords(ArgumentGroup):
+    """Bans, per request, the last token of each bad word whose other tokens were just generated.
+    One row per word a request may give (`max_words`): each bans at most one token per step."""
+
+    kwargs: ClassVar[dict[str, type]] = {"bad_words": tuple}
+
+    def __init__(self, always: bool, max_words: int) -> None:
+        self.defaults = (torch.tensor(-1),) * max_words
+        super().__init__(always)
+
+    def prepare(self, requests: list) -> torch.Tensor:
+        banned = torch.full((len(self.defaults), len(requests)), -1, dtype=torch.int32)
+        for row, future in enumerate(requests):
+            words = future.state.logit_processor_kwargs.get("bad_words")
+            if words:
+                state = future.state
+                context = state.initial_tokens + state.generated_tokens
+                ids = [w[-1] for w in words if len(w) == 1 or ends_with(context, w[:-1])]
+                banned[: len(ids), row] = torch.tensor(ids, dtype=torch.int32)
+        return banned
+
+    def apply(self, scores: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+        return ban(scores, torch.stack(rows, dim=-1))
+
+
+def ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:
+    return len(tokens) >= len(suffix) and tuple(tokens[len(tokens) - len(suffix) :]) == tuple(suffix)
