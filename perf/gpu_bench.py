@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
 import json
 import sys
 import threading
@@ -90,8 +92,8 @@ def run_engine(engine, batches: list[list[list[int]]], output_tokens: int) -> di
     }
 
 
-def in_process(model_dir: Path, ids: list[list[int]], output_tokens: int, graphs: bool, seq_len: int) -> dict:
-    """The portable engine in this process, with or without CUDA graphs: 3 single streams, then all requests."""
+def in_process(model_dir: Path, ids: list[list[int]], output_tokens: int, options: dict, seq_len: int) -> dict:
+    """The portable engine in this process with EngineConfig `options`: 3 single streams, then all requests."""
     import gc
 
     from tritonllm.engine import EngineConfig, PortableEngine
@@ -106,7 +108,7 @@ def in_process(model_dir: Path, ids: list[list[int]], output_tokens: int, graphs
             max_seq_len=seq_len,
             kv_cache_tokens=len(ids) * seq_len,
             max_batch_tokens=4096,
-            cuda_graphs=graphs,
+            **options,
         )
     )
     result = {"start_s": round(time.perf_counter() - started, 1)}
@@ -152,7 +154,10 @@ def generate_batch_1(model, ids: list[int], tokens: int) -> float:
     return tokens / (time.perf_counter() - started)
 
 
-async def served(grpc_url: str, ids_text: list[str], output_tokens: int, concurrency: int, sampled=False) -> dict:
+async def served(
+    grpc_url: str, ids_text: list[str], output_tokens: int, concurrency: int, sampled=False, streaming=True
+) -> dict:
+    """Streams through tensorrt_llm_bls, or (streaming=False) whole answers from the ensemble."""
     import tritonclient.grpc as grpcclient
     import tritonclient.grpc.aio as grpcaio
 
@@ -165,8 +170,9 @@ async def served(grpc_url: str, ids_text: list[str], output_tokens: int, concurr
             ("text_input", np.array([[ids_text[i].encode()]], dtype=object), "BYTES"),
             ("max_tokens", np.array([[output_tokens]], np.int32), "INT32"),
             ("end_id", np.array([[-1]], np.int32), "INT32"),
-            ("stream", np.array([[True]]), "BOOL"),
         ]
+        if streaming:
+            tensors.append(("stream", np.array([[True]]), "BOOL"))
         if sampled:
             tensors += [
                 ("temperature", np.array([[0.8]], np.float32), "FP32"),
@@ -183,6 +189,12 @@ async def served(grpc_url: str, ids_text: list[str], output_tokens: int, concurr
             yield {"model_name": "tensorrt_llm_bls", "inputs": inputs, "request_id": uuid.uuid4().hex}
 
         start, first = time.perf_counter(), None
+        if not streaming:
+            result = await client.infer("ensemble", inputs)
+            counts.append(int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
+            firsts.append(time.perf_counter() - start)  # whole answers: the time to the last token
+            ends.append(time.perf_counter())
+            return
         async for result, error in client.stream_infer(requests()):
             if error is not None:
                 raise RuntimeError(error.message())
@@ -210,6 +222,32 @@ async def served(grpc_url: str, ids_text: list[str], output_tokens: int, concurr
     }
 
 
+@contextlib.contextmanager
+def profiled(out: Path | None, label: str, seconds: int):
+    """py-spy on the engine's and the streaming model's stub processes while the block runs."""
+    if out is None:
+        yield
+        return
+    import subprocess
+
+    out.mkdir(parents=True, exist_ok=True)
+    stubs = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    spies = []
+    for model in ("tensorrt_llm", "tensorrt_llm_bls"):
+        pids = [line.split()[0] for line in stubs if "python_backend_stub" in line and f"/{model}/1/model.py" in line]
+        for pid in pids:
+            command = ["py-spy", "record", "--format", "raw", "--threads", "--rate", "200", "--duration", str(seconds)]
+            command += ["--pid", pid, "--output", str(out / f"{label}-{model}.txt")]
+            spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        yield
+    finally:
+        for spy in spies:
+            _, err = spy.communicate()
+            if spy.returncode:
+                print("py-spy:", err.strip()[-300:], flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpubench"))
@@ -218,6 +256,17 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--skip-in-process", action="store_true")
+    parser.add_argument("--only-in-process", action="store_true")
+    parser.add_argument("--served-throughput-only", action="store_true", help="served: only the full-load run")
+    parser.add_argument("--build-arg", action="append", default=[], help="extra build_engines.py argument")
+    parser.add_argument(
+        "--variants",
+        default='[{"cuda_graphs": false}, {"cuda_graphs": true}]',
+        help="JSON list of EngineConfig options, one in-process measurement each",
+    )
+    parser.add_argument(
+        "--profile-dir", type=Path, help="record py-spy profiles (collapsed stacks) of the serving stubs here"
+    )
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -232,6 +281,7 @@ def main() -> int:
     import transformers
 
     report["transformers"] = transformers.__version__
+    report["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
     seq_len = args.prompt_tokens + args.output_tokens + 64
     if not args.skip_in_process:
         report["generate_batch_1"] = round(generate_batch_1(model, ids[0], 64), 1)
@@ -242,9 +292,15 @@ def main() -> int:
     del model
     torch.cuda.empty_cache()
     if not args.skip_in_process:
-        for graphs in (False, True):
-            report[f"in_process_cuda_graphs_{graphs}"] = in_process(model_dir, ids, args.output_tokens, graphs, seq_len)
+        for options in json.loads(args.variants):
+            key = "in_process " + json.dumps(options, sort_keys=True)
+            try:
+                report[key] = in_process(model_dir, ids, args.output_tokens, options, seq_len)
+            except Exception as exc:  # one failing variant must not cost the others
+                report[key] = f"failed: {exc!r}"[:300]
             print(json.dumps(report), flush=True)
+        if args.only_in_process:
+            return 0
 
     from tritonllm.build import main as build_main
     from tritonllm.server import TritonServer
@@ -272,6 +328,7 @@ def main() -> int:
             "40",
             "--max-batch-tokens",
             "4096",
+            *args.build_arg,
         ]
     )
     assert code == 0
@@ -283,19 +340,32 @@ def main() -> int:
         texts = [tokenizer.decode(i) for i in ids]
         grpc_url = f"{server.host}:{server.grpc_port}"
         asyncio.run(served(grpc_url, texts[:8], 8, 8))  # warm-up
-        report["served_c1"] = asyncio.run(served(grpc_url, texts[:3], args.output_tokens, 1))
-        print(json.dumps(report), flush=True)
         everything = f"served_c{args.requests}"
+        if args.served_throughput_only:
+            report[everything] = asyncio.run(served(grpc_url, texts, args.output_tokens, args.requests))
+            print(json.dumps(report), flush=True)
+            report[everything + "_ensemble"] = asyncio.run(
+                served(grpc_url, texts, args.output_tokens, args.requests, streaming=False)
+            )
+            return 0
+        with profiled(args.profile_dir, "c1", seconds=8):
+            report["served_c1"] = asyncio.run(served(grpc_url, texts[:3], args.output_tokens, 1))
+        print(json.dumps(report), flush=True)
         report[everything + "_first"] = asyncio.run(served(grpc_url, texts, args.output_tokens, args.requests))
         print(json.dumps(report), flush=True)
-        report[everything] = asyncio.run(served(grpc_url, texts, args.output_tokens, args.requests))
+        with profiled(args.profile_dir, f"c{args.requests}", seconds=12):
+            report[everything] = asyncio.run(served(grpc_url, texts, args.output_tokens, args.requests))
+        print(json.dumps(report), flush=True)
+        report[everything + "_ensemble"] = asyncio.run(
+            served(grpc_url, texts, args.output_tokens, args.requests, streaming=False)
+        )
         print(json.dumps(report), flush=True)
         report[everything + "_sampled"] = asyncio.run(
             served(grpc_url, texts, args.output_tokens, args.requests, sampled=True)
         )
     finally:
         server.stop()
-    print(json.dumps(report), flush=True)
+        print(json.dumps(report), flush=True)
     return 0
 
 

@@ -2,12 +2,14 @@
 # The GPU comparison on the lent NVIDIA H200 machine (no network): run from the repository root with
 # the bundle in .whl/gpu (built on a machine with pip, see docs/PERFORMANCE.md):
 #   tritonserver-min.tar.xz  the tritonserver 2.51 binary, Python backend, 3.12 stub and the libraries they
-#                          link, taken from the nvidia-pytriton 0.7.0 wheel (trimmed to fit one transfer)
+#                          link, taken from the nvidia-pytriton 0.7.0 wheel (trimmed and stripped to fit one
+#                          transfer)
 #   numpy-1.26.4 (cp312)   the 2.51 stub corrupts BYTES tensors under numpy 2 (the image has 2.5)
 #   tritonclient-py.zip    tritonclient 2.51.0's Python package, python_rapidjson: the clients
 #   tokenizer.tgz          SmolLM2's tokenizer files (the random model has no tokenizer of its own)
 #   overlay/*.whl          optional: the project's transformers and tokenizers wheels, used instead of the
 #                          image's when they import there (the report names the transformers release)
+#   tools/py_spy-*.whl     optional: py-spy, for --profile-dir
 # Like shared recipe gpu-tritonserver.sh, it makes a venv with numpy 1.26 that links every other
 # package of the image except those that need numpy 2.
 set -eu
@@ -46,5 +48,9 @@ if [ -n "$overlay" ]; then
   fi
 fi
 link_image_packages ""
+if ls "$bundle"/tools/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tools "$bundle"/tools/*.whl
+  export PATH=/tmp/tools/bin:$PATH
+fi
 export PYTHONPATH=/tmp/pyt:$PWD PYTHONUNBUFFERED=1
 exec /tmp/v312/bin/python3 perf/gpu_bench.py --tokenizer-dir /tmp/tok "$@"

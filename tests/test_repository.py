@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tritonllm.build import BuildPlan
+from tritonllm.build import BuildPlan, parse_args, plan_portable
 from tritonllm.repository import TEMPLATES, RepositoryError, render_configs, write_repository
 
 PLAN = BuildPlan(
@@ -145,3 +145,20 @@ def test_batch_size_above_a_step_is_refused(templates):
     edit(templates / "postprocessing" / "config.pbtxt", "max_batch_size: ${triton_max_batch_size}", "max_batch_size: 2")
     with pytest.raises(RepositoryError, match="max_batch_size 2 is below the ensemble's 8"):
         render_configs(VALUES, templates)
+
+
+@pytest.mark.parametrize(
+    ("argv", "cuda", "expected"),
+    [
+        (["--device", "cuda"], True, "false"),  # opt-in
+        (["--device", "cuda", "--cuda-graphs"], True, "true"),
+        (["--device", "cpu", "--cuda-graphs"], True, "false"),  # graphs are CUDA only
+        (["--cuda-graphs"], False, "false"),  # auto picks the CPU here
+    ],
+)
+def test_cuda_graphs_are_rendered_only_on_cuda_when_asked(manifest, monkeypatch, argv, cuda, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    assert plan.engine_values["cuda_graphs"] == expected

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from tritonllm.text_models import flag
 from tritonllm.text_stream import TextStream
 from tritonllm.tokenization import as_text, scalar
 from tritonllm.triton_glue import (
+    CANCEL_POLL_SECONDS,
     FINAL,
     error_response,
     input_arrays,
@@ -135,6 +137,7 @@ class StreamingModel:
         )
         collected: list[str] = []
         stopping = cancelled = False
+        next_check = time.monotonic() + CANCEL_POLL_SECONDS
         for response in request.exec(decoupled=True):
             if stopping:
                 if response.has_error():
@@ -154,7 +157,9 @@ class StreamingModel:
                     )
                 elif delta:
                     collected.append(delta)
-            cancelled = sender is not None and sender.is_cancelled()
+            if sender is not None and time.monotonic() >= next_check:
+                cancelled = sender.is_cancelled()
+                next_check = time.monotonic() + CANCEL_POLL_SECONDS
             if stream.stopped or cancelled:
                 self._stop_engine(request_id)
                 stopping = True

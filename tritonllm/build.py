@@ -261,8 +261,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     portable.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="on CUDA, capture engine steps in CUDA graphs (default: on)",
+        default=False,
+        help="on CUDA, capture engine steps in CUDA graphs: ~4x faster single streams, but a new graph for "
+        "each new batch shape (see docs/PERFORMANCE.md before using it under high concurrency)",
     )
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
     trt = parser.add_argument_group("TensorRT-LLM engine")

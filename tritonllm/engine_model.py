@@ -36,7 +36,7 @@ from tritonllm.triton_glue import (
     to_tensors,
 )
 
-CANCEL_CHECK_SECONDS = 0.2
+CANCEL_CHECK_SECONDS = 0.2  # and the period of the load gauges
 
 
 @dataclass
