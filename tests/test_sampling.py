@@ -5,10 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LogitsProcessorList
-from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
 
-from tritonllm.sampling import GREEDY, BadWords, Sampling, ban, sample, step_seed, uniform
+from tritonllm.sampling import GREEDY, ArgumentGroups, BadWords, Sampling, ban, sample, step_seed, uniform
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # token 1 most likely, then 3, 2, 0
 LOGITS = PROBS.log()
@@ -108,11 +106,19 @@ def request(generated=(), **kwargs):
     return SimpleNamespace(state=state, has_new_token=True)
 
 
-def run(processors, requests, scores):
-    """What transformers' batching manager does with the processors for one step."""
-    plist = ContinuousBatchingLogitsProcessorList(LogitsProcessorList(processors))
-    plist.tensors_required = len(processors)
-    storage = torch.zeros(len(processors), 8, dtype=torch.int32)
+def test_kwargs_are_checked_against_every_group():
+    plist = ArgumentGroups([Sampling(False), BadWords(False, 2)])
+    plist.check_kwargs({"sample": True, "seed": 3, "bad_words": ((1,),)})
+    with pytest.raises(TypeError):
+        plist.check_kwargs({"top_k": "5"})
+    with pytest.raises(ValueError):
+        plist.check_kwargs({"frequency_penalty": 1.0})
+
+
+def run(groups, requests, scores):
+    """What transformers' batching manager does with the processor list for one step."""
+    plist = ArgumentGroups(groups)
+    storage = torch.zeros(plist.tensors_required, 8, dtype=torch.int32)
     plist.fill_defaults(storage[:, :1])
     args = plist.prepare_tensor_args(requests, storage)
     return plist(None, scores, args[:, : len(requests)])
@@ -123,7 +129,7 @@ def test_argument_rows_carry_each_request_to_its_row(always):
     scores = LOGITS.repeat(3, 1)
     kwargs = {"sample": True, "temperature": 1.0, "top_k": 1, "top_p": 1.0, "seed": 5}
     requests = [request(), request(**{**kwargs, "top_k": 0}), request(**kwargs)]
-    out = run([*Sampling(always).processors(), *BadWords(always, 4).processors()], requests, scores.clone())
+    out = run([Sampling(always), BadWords(always, 4)], requests, scores.clone())
     assert torch.equal(out[0], scores[0])
     assert torch.isneginf(out[1]).sum() == 3
     assert out[2].argmax() == 1 and torch.isneginf(out[2]).sum() == 3
@@ -131,13 +137,13 @@ def test_argument_rows_carry_each_request_to_its_row(always):
 
 def test_eager_steps_without_sampling_or_bans_skip_the_work():
     scores = torch.randn(2, 10)
-    out = run([*Sampling(False).processors(), *BadWords(False, 2).processors()], [request(), request()], scores)
+    out = run([Sampling(False), BadWords(False, 2)], [request(), request()], scores)
     assert out is scores
 
 
 def test_bad_words_ban_the_last_token_after_the_rest_of_the_word():
     words = ((4,), (7, 2))  # ban 4 always; ban 2 right after 7
     scores = torch.zeros(2, 10)
-    out = run(BadWords(False, 2).processors(), [request((7,), bad_words=words), request((3,), bad_words=words)], scores)
+    out = run([BadWords(False, 2)], [request((7,), bad_words=words), request((3,), bad_words=words)], scores)
     assert torch.isneginf(out[0]).nonzero().flatten().tolist() == [2, 4]
     assert torch.isneginf(out[1]).nonzero().flatten().tolist() == [4]

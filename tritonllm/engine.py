@@ -17,15 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessorList
+from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching.cb_logits_processors import (
-    ContinuousBatchingLogitsProcessor,
-    ContinuousBatchingLogitsProcessorList,
-)
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-from tritonllm.sampling import BadWords, Sampling, ends_with
+from tritonllm.sampling import ArgumentGroups, BadWords, Sampling, ends_with
 from tritonllm.tokenization import MAX_WORDS
 
 log = logging.getLogger(__name__)
@@ -153,8 +149,8 @@ class PortableEngine:
             ),
         )
         graphs = config.cuda_graphs
-        self._manager.logit_processor = _processor_list(
-            [*Sampling(always=graphs).processors(), *BadWords(always=graphs, max_words=MAX_WORDS).processors()]
+        self._manager.logit_processor = ArgumentGroups(
+            [Sampling(always=graphs), BadWords(always=graphs, max_words=MAX_WORDS)]
         )
         if graphs and hasattr(self._manager, "warmup"):
             # Capture the graphs of every batch shape now rather than in the first requests' latency.
@@ -323,10 +319,3 @@ def batching_config(**options) -> ContinuousBatchingConfig:
     if "page_size" not in known and "page_size" in options:
         options["block_size"] = options.pop("page_size")
     return ContinuousBatchingConfig(**{k: v for k, v in options.items() if k in known})
-
-
-def _processor_list(processors: list[ContinuousBatchingLogitsProcessor]) -> ContinuousBatchingLogitsProcessorList:
-    plist = ContinuousBatchingLogitsProcessorList(LogitsProcessorList(processors))
-    # Each of our processors keeps one int32 per request in the manager's argument storage.
-    plist.tensors_required = len(processors)
-    return plist

@@ -7,8 +7,8 @@ one-hot row of the token drawn for it: temperature, top-k, top-p, then a Gumbel-
 is a counter-based hash of (request seed, position, token id). A draw therefore depends on the request
 alone, and greedy rows are untouched, so greedy output is exactly `generate(do_sample=False)`'s.
 
-The manager gives each processor one int32 row of per-request arguments, prepared on the host before
-each step. Everything computed from those rows is tensor operations of fixed shape, with no host
+The manager keeps int32 rows of per-request arguments, prepared on the host before each step.
+Everything computed from those rows is tensor operations of fixed shape, with no host
 synchronisation, so the processing is captured in the manager's CUDA graphs.
 """
 
@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
-from transformers.generation.continuous_batching.cb_logits_processors import (
-    ContinuousBatchingLogitsProcessor,
-)
+from transformers import LogitsProcessorList
+from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
@@ -79,71 +78,76 @@ def ban(scores: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
 
 
 class ArgumentGroup:
-    """Per-request values that need several argument rows, and the tensor function that uses them.
+    """Per-request values on several argument rows, and the tensor function that uses them.
 
-    transformers gives each processor one row, so a group registers one `ArgumentRow` processor per row
-    (see `processors`): the first prepares all rows on the host, the last applies `apply` to all of them.
-    In eager mode a step whose rows all hold their defaults skips `apply`; `always` (CUDA graphs, whose
-    captured work cannot depend on the batch) applies it every step.
+    `prepare` fills the rows on the host before each step; `apply` runs on the step's scores. In
+    eager mode a step whose rows all hold their defaults skips both the copy and `apply`; with
+    `always` (CUDA graphs, whose captured work cannot depend on the batch) they run every step.
     """
 
     kwargs: ClassVar[dict[str, type]]
-    defaults: ClassVar[Sequence[torch.Tensor]]  # one int32 bit pattern per row
+    defaults: torch.Tensor  # int32 [rows, 1]: each row's default bit pattern
 
     def __init__(self, always: bool) -> None:
         self.always = always
         self.active = always
-        self._rows: torch.Tensor | None = None
-        self._received: list[torch.Tensor] = []
 
-    def processors(self) -> list[ArgumentRow]:
-        return [ArgumentRow(self, index) for index in range(len(self.defaults))]
+    @property
+    def rows(self) -> int:
+        return self.defaults.shape[0]
 
     def prepare(self, requests: list) -> torch.Tensor:
-        """int32 [rows, len(requests)] on the host; sets `active` when some row differs from its default."""
+        """int32 [rows, len(requests)] on the host."""
         raise NotImplementedError
 
-    def apply(self, scores: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
+        """args: int32 [rows, scores.size(0)]."""
         raise NotImplementedError
 
-    def _row(self, index: int, requests: list) -> torch.Tensor:
-        if index == 0:
-            self._rows = self.prepare(requests)
-            defaults = torch.stack(list(self.defaults)).unsqueeze(-1)
-            self.active = self.always or bool(self._rows.ne(defaults).any())
-        return self._rows[index]
 
-    def _receive(self, index: int, scores: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-        if index == 0:
-            self._received = []
-        self._received.append(row[: scores.size(0)])
-        if index < len(self.defaults) - 1 or not self.active:
-            return scores
-        return self.apply(scores, self._received)
+class ArgumentGroups(ContinuousBatchingLogitsProcessorList):
+    """transformers' per-request processor list, with argument groups of several rows each.
 
+    It keeps the interface the batching manager calls (defaults, preparing the argument storage,
+    processing scores); the stock list gives each processor a single row and a call per step.
+    """
 
-class ArgumentRow(ContinuousBatchingLogitsProcessor):
-    """One argument row of an ArgumentGroup, in the shape of a transformers per-request processor."""
+    def __init__(self, groups: Sequence[ArgumentGroup]) -> None:
+        super().__init__(LogitsProcessorList())
+        self.groups = list(groups)
+        self.tensors_required = sum(g.rows for g in self.groups)
+        self.supported_keys = {k: v for g in self.groups for k, v in g.kwargs.items()}
+        self.ignored_keys = set()
+        self.do_processing = bool(self.groups)
 
-    ignored_kwargs: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self, group: ArgumentGroup, index: int) -> None:
-        self.group = group
-        self.index = index
-        self.supported_kwargs = group.kwargs if index == 0 else {}
+    def _spans(self):
+        start = 0
+        for group in self.groups:
+            yield group, slice(start, start + group.rows)
+            start += group.rows
 
     def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
-        int32_tensor.fill_(int(self.group.defaults[self.index]))
+        for group, rows in self._spans():
+            int32_tensor[rows] = group.defaults.to(int32_tensor.device)
 
-    def prepare_tensor_args(self, requests_with_new_token: list) -> torch.Tensor:
-        return self.group._row(self.index, requests_with_new_token)
+    def prepare_tensor_args(self, requests_in_batch: list, arg_storage: torch.Tensor) -> torch.Tensor:
+        requests = [r for r in requests_in_batch if r.has_new_token]  # processors see new tokens only
+        for group, rows in self._spans():
+            values = group.prepare(requests)
+            group.active = group.always or bool(values.ne(group.defaults).any())
+            if group.active:
+                arg_storage[rows, : len(requests)] = values.to(arg_storage.device)
+        return arg_storage
 
-    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
-        return self.group._receive(self.index, scores, tensor_arg)
+    def __call__(self, input_ids, scores: torch.Tensor, logits_processor_args: torch.Tensor) -> torch.Tensor:
+        for group, rows in self._spans():
+            if group.active:
+                scores = group.apply(scores, logits_processor_args[rows, : scores.size(0)])
+        return scores
 
 
-def _bits(value: float) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32).view(torch.int32)
+def _bits(value: float) -> int:
+    return int(torch.tensor(value, dtype=torch.float32).view(torch.int32))
 
 
 class Sampling(ArgumentGroup):
@@ -157,7 +161,7 @@ class Sampling(ArgumentGroup):
         "seed": int,
     }
     # temperature (float32 bits), top_k, top_p (float32 bits), step seed
-    defaults: ClassVar[Sequence[torch.Tensor]] = (_bits(1.0), torch.tensor(0), _bits(1.0), torch.tensor(GREEDY))
+    defaults = torch.tensor([[_bits(1.0)], [0], [_bits(1.0)], [GREEDY]], dtype=torch.int32)
 
     def prepare(self, requests: list) -> torch.Tensor:
         temperature, top_k, top_p, seeds = [], [], [], []
@@ -177,8 +181,8 @@ class Sampling(ArgumentGroup):
         ints = torch.tensor([top_k, seeds], dtype=torch.int32)
         return torch.stack([floats[0], ints[0], floats[1], ints[1]])
 
-    def apply(self, scores: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
-        temperature, top_k, top_p, seeds = rows
+    def apply(self, scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
+        temperature, top_k, top_p, seeds = args
         return sample(scores, temperature.view(torch.float32), top_k, top_p.view(torch.float32), seeds)
 
 
@@ -189,11 +193,11 @@ class BadWords(ArgumentGroup):
     kwargs: ClassVar[dict[str, type]] = {"bad_words": tuple}
 
     def __init__(self, always: bool, max_words: int) -> None:
-        self.defaults = (torch.tensor(-1),) * max_words
         super().__init__(always)
+        self.defaults = torch.full((max_words, 1), -1, dtype=torch.int32)
 
     def prepare(self, requests: list) -> torch.Tensor:
-        banned = torch.full((len(self.defaults), len(requests)), -1, dtype=torch.int32)
+        banned = torch.full((self.rows, len(requests)), -1, dtype=torch.int32)
         for row, future in enumerate(requests):
             words = future.state.logit_processor_kwargs.get("bad_words")
             if words:
@@ -203,8 +207,8 @@ class BadWords(ArgumentGroup):
                 banned[: len(ids), row] = torch.tensor(ids, dtype=torch.int32)
         return banned
 
-    def apply(self, scores: torch.Tensor, rows: list[torch.Tensor]) -> torch.Tensor:
-        return ban(scores, torch.stack(rows, dim=-1))
+    def apply(self, scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
+        return ban(scores, args.T)
 
 
 def ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:
