@@ -153,7 +153,8 @@ class PortableEngine:
             [Sampling(always=graphs), BadWords(always=graphs, max_words=MAX_WORDS)]
         )
         if graphs and hasattr(self._manager, "warmup"):
-            # Capture the graphs of every batch shape now rather than in the first requests' latency.
+            # Capture the largest graphs now, which sizes their shared memory pool, rather than in the first
+            # requests' latency; smaller shapes are captured when first met.
             self._manager.warmup()
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
