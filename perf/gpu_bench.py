@@ -161,6 +161,8 @@ async def served(
     import tritonclient.grpc as grpcclient
     import tritonclient.grpc.aio as grpcaio
 
+    from client import infer_inputs
+
     client = grpcaio.InferenceServerClient(grpc_url)
     jobs = iter(range(len(ids_text)))
     counts, firsts, ends = [], [], []
@@ -179,11 +181,7 @@ async def served(
                 ("top_p", np.array([[0.95]], np.float32), "FP32"),
                 ("seed", np.array([[i]], np.uint64), "UINT64"),
             ]
-        inputs = []
-        for name, value, dt in tensors:
-            t = grpcclient.InferInput(name, list(value.shape), dt)
-            t.set_data_from_numpy(value)
-            inputs.append(t)
+        inputs = infer_inputs(grpcclient, tensors)
 
         async def requests():
             yield {"model_name": "tensorrt_llm_bls", "inputs": inputs, "request_id": uuid.uuid4().hex}

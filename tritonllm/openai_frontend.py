@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from tritonclient.utils import InferenceServerException
 
-from client import request_tensors
+from client import infer_inputs, request_tensors
 
 FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop"}
 
@@ -213,11 +213,7 @@ def create_app(settings: Settings) -> FastAPI:
             prompt, max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed, stop=body.stops(), chat=False
         )
         tensors.append(("stream", np.array([[True]]), "BOOL"))
-        inputs = []
-        for name, value, datatype in tensors:
-            tensor = grpcclient.InferInput(name, list(value.shape), datatype)
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
+        inputs = infer_inputs(grpcclient, tensors)
 
         async def requests():
             yield {"model_name": settings.triton_model, "inputs": inputs, "request_id": uuid.uuid4().hex}
