@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 from client import GenerationError, generate, infer_inputs, request_tensors
 from tests.conftest import BUILD, ROOT
 from tests.test_streaming import wait_for_in_flight
-from tritonllm.server import free_port
+from tritonllm.server import free_port, http_ready
 
 pytestmark = pytest.mark.integration
 
@@ -53,11 +53,7 @@ class Serve:
         return f"127.0.0.1:{self.http}"
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        return http_ready(self.url)
 
     def wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -146,11 +146,7 @@ class TritonServer:
         raise ServerError(f"tritonserver was not ready after {timeout:.0f} s")
 
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        return http_ready(self.http_url)
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGINT (Triton drains and unloads models), then SIGKILL of the whole group if it hangs."""
@@ -238,6 +234,15 @@ def probe_engine(grpc_url: str, engine_model: str = "tensorrt_llm", timeout: flo
     except Exception as exc:
         return str(exc)
     return None if error is None else error.message()
+
+
+def http_ready(http_url: str) -> bool:
+    """Whether a Triton server answers ready on `http_url` (host:port)."""
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
