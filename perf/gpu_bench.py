@@ -256,7 +256,12 @@ def main() -> int:
     parser.add_argument("--skip-in-process", action="store_true")
     parser.add_argument("--only-in-process", action="store_true")
     parser.add_argument("--served-throughput-only", action="store_true", help="served: only the full-load run")
-    parser.add_argument("--build-arg", action="append", default=[], help="extra build_engines.py argument")
+    parser.add_argument(
+        "--build-variants",
+        default="[[]]",
+        help="JSON list of build_engines.py argument lists, one served measurement each: '[[], [\"--cuda-graphs\"]]'",
+    )
+    parser.add_argument("--step-timeout", type=float, default=180, help="seconds a served measurement may take")
     parser.add_argument(
         "--variants",
         default='[{"cuda_graphs": false}, {"cuda_graphs": true}]',
@@ -300,10 +305,22 @@ def main() -> int:
         if args.only_in_process:
             return 0
 
+    texts = [tokenizer.decode(i) for i in ids]
+    for n, build_args in enumerate(json.loads(args.build_variants)):
+        key = "served " + " ".join(build_args) if build_args else "served"
+        try:
+            report[key] = serve(args, model_dir, seq_len, texts, build_args, args.work / f"build{n}")
+        except Exception as exc:  # a server that does not start must not cost the other variants
+            report[key] = f"failed: {exc!r}"[-600:]
+        print(json.dumps(report), flush=True)
+    return 0
+
+
+def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: list[str], build: Path) -> dict:
+    """Build a repository with `build_args`, start tritonserver on it and measure; a stalled step is reported."""
     from tritonllm.build import main as build_main
     from tritonllm.server import TritonServer
 
-    build = args.work / "build"
     code = build_main(
         [
             "--model",
@@ -326,45 +343,46 @@ def main() -> int:
             "40",
             "--max-batch-tokens",
             "4096",
-            *args.build_arg,
+            *build_args,
         ]
     )
     assert code == 0
-    server = TritonServer.on_free_ports(build, log_file=args.work / "server.log")
+    log = build / "server.log"
+    server = TritonServer.on_free_ports(build, log_file=log)
     started = time.perf_counter()
     server.start(timeout=540)
-    report["server_ready_s"] = round(time.perf_counter() - started, 1)
-    try:
-        texts = [tokenizer.decode(i) for i in ids]
-        grpc_url = f"{server.host}:{server.grpc_port}"
-        asyncio.run(served(grpc_url, texts[:8], 8, 8))  # warm-up
-        everything = f"served_c{args.requests}"
-        if args.served_throughput_only:
-            report[everything] = asyncio.run(served(grpc_url, texts, args.output_tokens, args.requests))
-            print(json.dumps(report), flush=True)
-            report[everything + "_ensemble"] = asyncio.run(
-                served(grpc_url, texts, args.output_tokens, args.requests, streaming=False)
+    result: dict = {"server_ready_s": round(time.perf_counter() - started, 1)}
+    grpc_url = f"{server.host}:{server.grpc_port}"
+    profile = args.profile_dir / build.name if args.profile_dir else None
+    everything = f"c{args.requests}"
+
+    def measure(label: str, texts: list[str], concurrency: int, **options) -> None:
+        try:
+            result[label] = asyncio.run(
+                asyncio.wait_for(served(grpc_url, texts, args.output_tokens, concurrency, **options), args.step_timeout)
             )
-            return 0
-        with profiled(args.profile_dir, "c1", seconds=8):
-            report["served_c1"] = asyncio.run(served(grpc_url, texts[:3], args.output_tokens, 1))
-        print(json.dumps(report), flush=True)
-        report[everything + "_first"] = asyncio.run(served(grpc_url, texts, args.output_tokens, args.requests))
-        print(json.dumps(report), flush=True)
-        with profiled(args.profile_dir, f"c{args.requests}", seconds=12):
-            report[everything] = asyncio.run(served(grpc_url, texts, args.output_tokens, args.requests))
-        print(json.dumps(report), flush=True)
-        report[everything + "_ensemble"] = asyncio.run(
-            served(grpc_url, texts, args.output_tokens, args.requests, streaming=False)
-        )
-        print(json.dumps(report), flush=True)
-        report[everything + "_sampled"] = asyncio.run(
-            served(grpc_url, texts, args.output_tokens, args.requests, sampled=True)
-        )
+        except (TimeoutError, asyncio.TimeoutError):
+            result[label] = f"did not finish in {args.step_timeout} s"
+            raise
+        finally:
+            print(label, json.dumps(result.get(label)), flush=True)
+
+    try:
+        asyncio.run(served(grpc_url, texts[:8], 8, 8))  # warm-up
+        if not args.served_throughput_only:
+            with profiled(profile, "c1", seconds=8):
+                measure("c1", texts[:3], 1)
+            measure(everything + "_first", texts, args.requests)
+        with profiled(profile, everything, seconds=12):
+            measure(everything, texts, args.requests)
+        measure(everything + "_ensemble", texts, args.requests, streaming=False)
+        if not args.served_throughput_only:
+            measure(everything + "_sampled", texts, args.requests, sampled=True)
+    except (TimeoutError, asyncio.TimeoutError):
+        result["server_log_tail"] = log.read_text()[-3000:] if log.exists() else "(no log)"
     finally:
         server.stop()
-        print(json.dumps(report), flush=True)
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -6,8 +6,12 @@ detokenize a stream correctly; so this decoupled model runs the pipeline itself,
 holds the request's decode state. The first two steps are wired exactly as in the `ensemble`
 config, read at load time, so the two entry points cannot drift apart.
 
-Each request runs on a worker thread (`execute` returns at once). A client that cancels, or a
-stop string, ends the engine's work with TensorRT-LLM's `stop` request, which both engines honour.
+Each request runs on a worker thread (`execute` returns at once) that only queues its text; one
+`Outbox` thread sends it, merging a stream's deltas that queued up while it was busy, and asks the
+server every CANCEL_CHECK_SECONDS which requests were cancelled (each `send` and `is_cancelled` is a
+round trip to the server: per token they cost more than the generation at 256 streams on an H200).
+A client that cancels, or a stop string, ends the engine's work with TensorRT-LLM's `stop` request,
+which both engines honour.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +28,7 @@ from transformers import AutoTokenizer
 
 from tritonllm.detokenization import Detokenizer, finish_reason
 from tritonllm.errors import InputError
+from tritonllm.outbox import Outbox
 from tritonllm.repository import read_config
 from tritonllm.text_models import flag
 from tritonllm.text_stream import TextStream
@@ -37,9 +43,24 @@ from tritonllm.triton_glue import (
     raise_if_error,
 )
 
+CANCEL_CHECK_SECONDS = 0.2
+
 
 class _Cancelled(Exception):
     pass
+
+
+@dataclass(eq=False)
+class _Request:
+    """One client request as the sender thread sees it."""
+
+    sender: object
+    cancelled: bool = False  # set by the sender thread, read by the request's worker
+
+
+def _join_deltas(earlier, later):
+    """Consecutive text deltas merge; a final response stays apart."""
+    return earlier + later if isinstance(earlier, str) and isinstance(later, str) else None
 
 
 class StreamingModel:
@@ -57,6 +78,15 @@ class StreamingModel:
         self.workers = ThreadPoolExecutor(int(params["max_inflight_requests"]), thread_name_prefix="bls")
         # Engine request ids, unique per process: the key of `stop` requests (numeric, as TensorRT-LLM wants).
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
+        self._live: dict[int, _Request] = {}
+        self.outbox: Outbox[str | object] = Outbox(
+            "tensorrt_llm_bls-sender",
+            self._send,
+            _join_deltas,
+            self._check_cancelled,
+            CANCEL_CHECK_SECONDS,
+            log_exception,
+        )
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -69,12 +99,30 @@ class StreamingModel:
             except Exception as exc:
                 sender.send(error_response(exc), flags=FINAL)
                 continue
-            self.workers.submit(self._generate, arrays, sender)
+            state = _Request(sender)
+            self._live[id(state)] = state
+            self.workers.submit(self._generate, arrays, state)
         return None
+
+    # ------------------------------------------------------------------ the sender thread
+
+    def _send(self, state: _Request, item) -> None:
+        """A text delta, or the final response (a text delta is never sent after it)."""
+        if isinstance(item, str):
+            tensor = pb_utils.Tensor("text_output", np.array([[item.encode()]], dtype=object))
+            state.sender.send(pb_utils.InferenceResponse([tensor]))
+            return
+        self._live.pop(id(state), None)
+        state.sender.send(item, flags=FINAL)
+
+    def _check_cancelled(self) -> None:
+        for state in list(self._live.values()):
+            if not state.cancelled and state.sender.is_cancelled():
+                state.cancelled = True
 
     # ------------------------------------------------------------------ one request, on a worker thread
 
-    def _generate(self, arrays: dict[str, np.ndarray], sender) -> None:
+    def _generate(self, arrays: dict[str, np.ndarray], state: _Request) -> None:
         try:
             streaming = bool(scalar(arrays, "stream", 0))
             tensors = dict(arrays)
@@ -83,7 +131,7 @@ class StreamingModel:
                 [as_text(v, "stop_words") for v in arrays["stop_words"].reshape(-1)] if "stop_words" in arrays else []
             )
             stream = TextStream(self.detokenizer, stops)
-            text = self._run_engine(tensors, stream, sender if streaming else None)
+            text = self._run_engine(tensors, stream, state, streaming)
             text += stream.finish()
             max_tokens = int(scalar(arrays, "max_tokens", 0))
             final = {
@@ -101,10 +149,7 @@ class StreamingModel:
             )
         except Exception as exc:
             response = error_response(exc)
-        try:
-            sender.send(response, flags=FINAL)
-        except Exception:
-            log_exception("tensorrt_llm_bls: sending the final response failed")
+        self.outbox.put(state, response)
 
     def _preprocess(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The ensemble's first step; returns its outputs under their ensemble tensor names."""
@@ -121,8 +166,8 @@ class StreamingModel:
         raise_if_error(response)
         return {step.output_map[t.name()]: t.as_numpy() for t in response.output_tensors()}
 
-    def _run_engine(self, tensors: dict[str, np.ndarray], stream: TextStream, sender) -> str:
-        """Stream the engine's tokens through `stream`; send deltas when `sender` is given, else return the text."""
+    def _run_engine(self, tensors: dict[str, np.ndarray], stream: TextStream, state: _Request, streaming: bool) -> str:
+        """Stream the engine's tokens through `stream`; queue the deltas when `streaming`, else return the text."""
         step = self.engine_step
         inputs = [pb_utils.Tensor(key, tensors[name]) for key, name in step.input_map.items() if name in tensors]
         inputs.append(pb_utils.Tensor("streaming", np.array([[True]])))
@@ -134,7 +179,7 @@ class StreamingModel:
             request_id=request_id,
         )
         collected: list[str] = []
-        stopping = cancelled = False
+        stopping = False
         for response in request.exec(decoupled=True):
             if stopping:
                 if response.has_error():
@@ -146,22 +191,14 @@ class StreamingModel:
             if output is not None:
                 length = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
                 delta = stream.push(output.as_numpy().reshape(-1)[:length].tolist())
-                if delta and sender is not None:
-                    sender.send(
-                        pb_utils.InferenceResponse(
-                            [pb_utils.Tensor("text_output", np.array([[delta.encode()]], dtype=object))]
-                        )
-                    )
+                if delta and streaming:
+                    self.outbox.put(state, delta)
                 elif delta:
                     collected.append(delta)
-            # Asked per response although it is a round trip to the server (44% of this model's time at
-            # 256 streams on an H200): polling it less often crashed this stub once under the soak test
-            # (segfault in libpython, tritonserver 2.51), so the proven per-token check stays for now.
-            cancelled = sender is not None and sender.is_cancelled()
-            if stream.stopped or cancelled:
+            if stream.stopped or state.cancelled:
                 self._stop_engine(request_id)
                 stopping = True
-        if cancelled:
+        if state.cancelled:
             raise _Cancelled
         return "".join(collected)
 
@@ -185,3 +222,4 @@ class StreamingModel:
 
     def finalize(self) -> None:
         self.workers.shutdown(wait=True, cancel_futures=True)
+        self.outbox.close()

@@ -87,6 +87,13 @@ class Emission:
     def final(self) -> bool:
         return self.finish_reason is not None
 
+    @staticmethod
+    def merge(earlier: Emission, later: Emission) -> Emission | None:
+        """One emission for a streaming request's two consecutive ones; None when they cannot be one."""
+        if earlier.final or earlier.error or later.error:
+            return None
+        return dataclasses.replace(later, token_ids=earlier.token_ids + later.token_ids)
+
 
 @dataclass
 class _Active:

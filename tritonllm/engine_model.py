@@ -1,8 +1,9 @@
 """Triton adapter of the portable engine: the decoupled `tensorrt_llm` model.
 
 `execute` parses each request, hands it to the engine and returns at once; the engine's router
-thread reports tokens, and a sender thread turns them into responses, so neither generation nor
-request intake ever waits on the server's IPC. Like the TensorRT-LLM backend, a non-streaming
+thread reports tokens, and an `Outbox` thread turns them into responses (merging a stream's tokens
+that queued up while it was busy), so neither generation nor request intake ever waits on the
+server's IPC. Like the TensorRT-LLM backend, a non-streaming
 request gets one response holding all its tokens; a streaming one gets a response per new
 tokens; both end with a COMPLETE_FINAL flag. A request ended early (TensorRT-LLM's `stop`
 request, or a cancelled client) ends the same way, with the tokens generated until then.
@@ -11,17 +12,16 @@ request, or a cancelled client) ends the same way, with the tokens generated unt
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.engine import Emission, EngineConfig, GenerationRequest, PortableEngine
 from tritonllm.engine_io import exclude_input, pack_outputs, parse_requests
 from tritonllm.errors import InputError
 from tritonllm.metrics import EngineMetrics
+from tritonllm.outbox import Outbox
 from tritonllm.text_models import flag
 from tritonllm.tokenization import Limits, scalar
 from tritonllm.triton_glue import (
@@ -83,13 +83,12 @@ class EngineModel:
         # The batching manager's first step is slow (allocation, kernel selection): pay it now.
         self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)
         log_info(f"tensorrt_llm: portable engine on {device} warmed up in {time.perf_counter() - started:.1f} s")
-        self._outbox: queue.Queue = queue.Queue()
         self._live: dict[int, _Call] = {}
         self.metrics = EngineMetrics(args["model_name"], args["model_version"])
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # metric records, flushed by the sender thread
-        self._running = True
-        self._sender_thread = threading.Thread(target=self._send_loop, name="tensorrt_llm-sender", daemon=True)
-        self._sender_thread.start()
+        self._outbox: Outbox[Emission] = Outbox(
+            "tensorrt_llm-sender", self._send, Emission.merge, self._tick, CANCEL_CHECK_SECONDS, log_exception
+        )
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -140,35 +139,16 @@ class EngineModel:
         call.generated[row] = call.generated.get(row, 0) + len(emission.token_ids)
         if emission.final:
             self._finished.put(("finish", emission, len(request.input_ids), call.generated[row]))
-        if emission.error:
-            self._outbox.put((call, None, emission))
-        elif request.streaming:
-            outputs = pack_outputs([emission.token_ids], call.pad_id) if emission.token_ids else None
-            self._outbox.put((call, outputs, emission))
+        if emission.error or request.streaming:
+            self._outbox.put(call, emission)
         elif emission.final:
-            tokens = ([] if call.exclude_input else request.input_ids) + emission.token_ids
-            call.tokens[row] = tokens
+            call.tokens[row] = ([] if call.exclude_input else request.input_ids) + emission.token_ids
             if len(call.tokens) == len(call.requests):
-                outputs = pack_outputs([call.tokens[r] for r in range(len(call.requests))], call.pad_id)
-                self._outbox.put((call, outputs, emission))
+                self._outbox.put(call, emission)
 
-    def _send_loop(self) -> None:
-        next_check = time.monotonic() + CANCEL_CHECK_SECONDS
-        while self._running:
-            try:
-                call, outputs, emission = self._outbox.get(timeout=CANCEL_CHECK_SECONDS)
-                self._send(call, outputs, emission)
-            except queue.Empty:
-                pass
-            except Exception:  # never let one response stop the others
-                log_exception("tensorrt_llm: sending a response failed")
-            if time.monotonic() >= next_check:
-                try:
-                    self._check_cancelled()
-                    self._update_metrics()
-                except Exception:
-                    log_exception("tensorrt_llm: checking cancellations or metrics failed")
-                next_check = time.monotonic() + CANCEL_CHECK_SECONDS
+    def _tick(self) -> None:
+        self._check_cancelled()
+        self._update_metrics()
 
     def _update_metrics(self) -> None:
         while not self._finished.empty():
@@ -188,7 +168,8 @@ class EngineModel:
             )
         self.metrics.load(self.engine.running(), self.engine.in_batch())
 
-    def _send(self, call: _Call, outputs: dict[str, np.ndarray] | None, emission: Emission) -> None:
+    def _send(self, call: _Call, emission: Emission) -> None:
+        """On the outbox's thread: a streaming request's new tokens, or a whole request's answer."""
         if call.closed:
             return
         if emission.error:
@@ -196,9 +177,14 @@ class EngineModel:
             error = pb_utils.TritonError(f"generation failed: {emission.error}", pb_utils.TritonError.INTERNAL)
             call.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
             return
-        final = emission.final and (call.requests[0].streaming or len(call.tokens) == len(call.requests))
+        streaming = call.requests[0].streaming
+        final = emission.final and (streaming or len(call.tokens) == len(call.requests))
         if final:
             self._close(call)
+        if streaming:
+            outputs = pack_outputs([emission.token_ids], call.pad_id) if emission.token_ids else None
+        else:
+            outputs = pack_outputs([call.tokens[r] for r in range(len(call.requests))], call.pad_id)
         if outputs is None:
             call.sender.send(flags=FINAL)
         else:
@@ -220,5 +206,4 @@ class EngineModel:
 
     def finalize(self) -> None:
         self.engine.shutdown()
-        self._running = False
-        self._sender_thread.join(timeout=5)
+        self._outbox.close()

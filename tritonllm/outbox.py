@@ -1,0 +1,89 @@
+"""A response-sender thread that merges what queued up while it was busy.
+
+`ResponseSender.send` (and `is_cancelled`) is a round trip to the server process, made under
+the stub's locks. Both decoupled models therefore send from one thread through an `Outbox`: the
+producers (the engine's loop, the streaming model's workers) only queue, and the sender merges
+the items one request queued since its last send. At low load every token still leaves alone
+and at once; under load one response carries the tokens that arrived while the previous ones
+were being sent, so the number of round trips stays what the server can take instead of the
+streams falling further and further behind. The same thread asks `tick` to run every `period`
+seconds (cancellation checks, gauges), so no other thread talks to the server per token.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+def coalesce(items: list[tuple[object, T]], merge: Callable[[T, T], T | None]) -> list[tuple[object, T]]:
+    """Merge each key's consecutive items with `merge` (None keeps them apart); keys keep their first position."""
+    out: list[tuple[object, T]] = []
+    latest: dict[int, int] = {}  # id(key) -> index in `out` of the key's latest item
+    for key, item in items:
+        at = latest.get(id(key))
+        merged = None if at is None else merge(out[at][1], item)
+        if merged is None:
+            latest[id(key)] = len(out)
+            out.append((key, item))
+        else:
+            out[at] = (key, merged)
+    return out
+
+
+class Outbox(Generic[T]):
+    """`put(key, item)` from any thread; `send(key, item)` runs on the outbox's own thread, merged by key."""
+
+    def __init__(
+        self,
+        name: str,
+        send: Callable[[object, T], None],
+        merge: Callable[[T, T], T | None],
+        tick: Callable[[], None],
+        period: float,
+        report: Callable[[str], None],
+    ) -> None:
+        self._send, self._merge, self._tick, self._period, self._report = send, merge, tick, period, report
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, key: object, item: T) -> None:
+        self._queue.put((key, item))
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._running = False
+        self._thread.join(timeout)
+
+    def _take(self) -> list[tuple[object, T]]:
+        """What is queued, waiting up to one period for the first item."""
+        try:
+            items = [self._queue.get(timeout=self._period)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _loop(self) -> None:
+        next_tick = time.monotonic() + self._period
+        while self._running:
+            for key, item in coalesce(self._take(), self._merge):
+                try:
+                    self._send(key, item)
+                except Exception:  # one failed response must not stop the others
+                    self._report("sending a response failed")
+            if time.monotonic() >= next_tick:
+                try:
+                    self._tick()
+                except Exception:
+                    self._report("the sender's periodic check failed")
+                next_tick = time.monotonic() + self._period
