@@ -13,7 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client import generate, infer_inputs, request_tensors
-from tests.test_streaming import in_flight, wait_for_in_flight
+from tests.test_streaming import wait_for_in_flight
 
 pytestmark = pytest.mark.integration
 QUESTION = "What is the capital of France?"
@@ -153,7 +153,7 @@ def test_disconnect_cancels_the_generation(api, model, server):
     stream = chat(api, model, content="Tell me a very long story.", max_tokens=3000, stream=True)
     for _, _chunk in zip(range(3), stream, strict=False):
         pass
-    assert in_flight(server) == 1
+    assert wait_for_in_flight(server, 1) == 1  # the gauge is refreshed every 0.2 s
     stream.close()  # the client goes away mid-stream
     assert wait_for_in_flight(server, 0) == 0, "the engine still generates for a client that left"
 

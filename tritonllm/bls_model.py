@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ from tritonllm.tokenization import as_text, scalar
 from tritonllm.triton_glue import (
     FINAL,
     error_response,
+    exec_decoupled,
     input_arrays,
     log_exception,
     model_config,
@@ -56,6 +57,7 @@ class _Request:
 
     sender: object
     cancelled: bool = False  # set by the sender thread, read by the request's worker
+    iterators: list = field(default_factory=list)  # its BLS response iterators, kept until settled
 
 
 def _join_deltas(earlier, later):
@@ -79,6 +81,7 @@ class StreamingModel:
         # Engine request ids, unique per process: the key of `stop` requests (numeric, as TensorRT-LLM wants).
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._live: dict[int, _Request] = {}
+        self._unsettled: list[list] = []  # iterators of cancelled requests, dropped after the next round trip
         self.outbox: Outbox[str | object] = Outbox(
             "tensorrt_llm_bls-sender",
             self._send,
@@ -113,12 +116,24 @@ class StreamingModel:
             state.sender.send(pb_utils.InferenceResponse([tensor]))
             return
         self._live.pop(id(state), None)
+        if state.cancelled:  # the stub answers it without a round trip now: wait for another's
+            self._unsettled.append(state.iterators)
+        else:
+            self._ask_cancelled(state)  # settles this request's iterators (see exec_decoupled)
+        state.iterators = []
         state.sender.send(item, flags=FINAL)
 
     def _check_cancelled(self) -> None:
         for state in list(self._live.values()):
-            if not state.cancelled and state.sender.is_cancelled():
-                state.cancelled = True
+            if not state.cancelled:
+                self._ask_cancelled(state)
+
+    def _ask_cancelled(self, state: _Request) -> None:
+        """A round trip through the stub's helper thread. Only this thread asks, so none is
+        answered early by another's, and every iterator that finished before it is settled after it."""
+        settled = len(self._unsettled)
+        state.cancelled = state.sender.is_cancelled()
+        del self._unsettled[:settled]
 
     # ------------------------------------------------------------------ one request, on a worker thread
 
@@ -180,7 +195,7 @@ class StreamingModel:
         )
         collected: list[str] = []
         stopping = False
-        for response in request.exec(decoupled=True):
+        for response in exec_decoupled(request, state.iterators):
             if stopping:
                 if response.has_error():
                     break  # an error ends the request: nothing more will come
@@ -196,13 +211,13 @@ class StreamingModel:
                 elif delta:
                     collected.append(delta)
             if stream.stopped or state.cancelled:
-                self._stop_engine(request_id)
+                self._stop_engine(request_id, state)
                 stopping = True
         if state.cancelled:
             raise _Cancelled
         return "".join(collected)
 
-    def _stop_engine(self, request_id: str) -> None:
+    def _stop_engine(self, request_id: str, state: _Request) -> None:
         """TensorRT-LLM's way to end a request early: a request with the same id and `stop` set."""
         one = np.ones((1, 1), dtype=np.int32)
         stop = pb_utils.InferenceRequest(
@@ -216,7 +231,7 @@ class StreamingModel:
             requested_output_names=["output_ids"],
             request_id=request_id,
         )
-        for response in stop.exec(decoupled=True):
+        for response in exec_decoupled(stop, state.iterators):
             if response.has_error():
                 log_exception(f"tensorrt_llm_bls: stopping engine request {request_id}: {response.error().message()}")
 

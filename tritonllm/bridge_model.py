@@ -13,7 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.triton_glue import FINAL, error_response, input_arrays, model_config, parameters, raise_if_error
+from tritonllm.triton_glue import (
+    FINAL,
+    error_response,
+    exec_decoupled,
+    input_arrays,
+    model_config,
+    parameters,
+    raise_if_error,
+    settle_after,
+)
 
 
 class BridgeModel:
@@ -43,12 +52,13 @@ class BridgeModel:
         return None
 
     def _forward(self, inputs: list, outputs: list[str], sender) -> None:
+        iterators: list = []
         try:
             engine_request = pb_utils.InferenceRequest(
                 model_name=self.engine_model, inputs=inputs, requested_output_names=outputs
             )
             answer = None
-            for response in engine_request.exec(decoupled=True):
+            for response in exec_decoupled(engine_request, iterators):
                 raise_if_error(response)
                 if response.output_tensors():
                     answer = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
@@ -56,6 +66,7 @@ class BridgeModel:
                 answer = error_response(RuntimeError(f"{self.engine_model} sent no output"))
         except Exception as exc:
             answer = error_response(exc)
+        settle_after(sender, iterators)  # only this thread asks this sender: a real round trip
         sender.send(answer, flags=FINAL)
 
     def finalize(self) -> None:

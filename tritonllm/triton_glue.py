@@ -56,6 +56,34 @@ class ServerBusy(Exception):
     """The engine's queue is full: UNAVAILABLE (HTTP 503, OpenAI 429), "retry later"."""
 
 
+def exec_decoupled(request, keep: list):
+    """`request.exec(decoupled=True)`, its response iterator also appended to `keep`.
+
+    The stub (tritonserver 2.51, and upstream since) hands a finished iterator's cleanup to its
+    helper thread, which drops the stub's own reference without the GIL: if Python let go first,
+    the iterator and its tensors' numpy arrays are freed there, without the GIL, and the
+    interpreter's memory is corrupted (segfaults under load). The helper thread serves its queue
+    in order, and `is_cancelled()` is served by it too: so keep the iterator until an
+    `is_cancelled()` asked after its final response has returned (`settle_after`), and
+    Python's reference is the last one.
+    """
+    responses = request.exec(decoupled=True)
+    keep.append(responses)
+    return responses
+
+
+def settle_after(sender, keep: list) -> bool:
+    """Drop the iterators kept by `exec_decoupled` safely; returns `sender.is_cancelled()`.
+
+    Needs a real round trip: the stub answers without one once a request was found cancelled,
+    and a call from another thread on the same sender that is already under way may be answered
+    first; callers make sure of both (see tensorrt_llm_bls).
+    """
+    cancelled = sender.is_cancelled()
+    keep.clear()
+    return cancelled
+
+
 def raise_if_error(response) -> None:
     if response.has_error():
         raise StepError(response.error())
