@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 DEFAULT_URL = "127.0.0.1:8000"
@@ -83,6 +82,8 @@ def generate(
 ) -> str:
     """Generate text for `prompt`; options are those of `request_tensors` (temperature, top_k, top_p, seed, stop,
     bad_words, chat). Raises GenerationError with the server's message when the request is refused."""
+    import tritonclient.http as httpclient  # here: streaming and the helpers need only tritonclient[grpc]
+
     with httpclient.InferenceServerClient(url, connection_timeout=timeout, network_timeout=timeout) as triton:
         try:
             result = triton.infer(model, infer_inputs(httpclient, request_tensors(prompt, max_tokens, **options)))

@@ -155,9 +155,16 @@ def generate_batch_1(model, ids: list[int], tokens: int) -> float:
 
 
 async def served(
-    grpc_url: str, ids_text: list[str], output_tokens: int, concurrency: int, sampled=False, streaming=True
+    grpc_url: str,
+    ids_text: list[str],
+    output_tokens: int,
+    concurrency: int,
+    sampled=False,
+    streaming=True,
+    ends: list[float] | None = None,
 ) -> dict:
-    """Streams through tensorrt_llm_bls, or (streaming=False) whole answers from the ensemble."""
+    """Streams through tensorrt_llm_bls, or (streaming=False) whole answers from the ensemble.
+    `ends` collects each request's end time as it finishes (what a stalled run got done)."""
     import tritonclient.grpc as grpcclient
     import tritonclient.grpc.aio as grpcaio
 
@@ -165,7 +172,8 @@ async def served(
 
     client = grpcaio.InferenceServerClient(grpc_url)
     jobs = iter(range(len(ids_text)))
-    counts, firsts, ends = [], [], []
+    counts, firsts = [], []
+    ends = [] if ends is None else ends
 
     async def one(i: int) -> None:
         tensors = [
@@ -218,6 +226,31 @@ async def served(
         "ttft_p50_ms": round(float(np.percentile(firsts, 50)) * 1000, 1),
         "seconds": round(elapsed, 2),
     }
+
+
+def stall_report(server, out: Path | None) -> dict:
+    """What a stalled server is doing: its queue and load gauges, and (with py-spy) every stub thread's stack."""
+    import subprocess
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    report = {
+        "metrics": [
+            line
+            for line in lines
+            if not line.startswith("#") and "_bucket" not in line and ("pending" in line or "tritonllm" in line)
+        ]
+    }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        stubs = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+        for line in stubs:
+            if "python_backend_stub" in line:
+                pid, model = line.split()[0], line.split()[2].split("/")[-3]
+                dump = subprocess.run(["py-spy", "dump", "--native", "--pid", pid], capture_output=True, text=True)
+                (out / f"stall-{model}-{pid}.txt").write_text(dump.stdout + dump.stderr)
+    return report
 
 
 @contextlib.contextmanager
@@ -357,12 +390,13 @@ def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: lis
     everything = f"c{args.requests}"
 
     def measure(label: str, texts: list[str], concurrency: int, **options) -> None:
+        ends: list[float] = []
+        run = served(grpc_url, texts, args.output_tokens, concurrency, ends=ends, **options)
         try:
-            result[label] = asyncio.run(
-                asyncio.wait_for(served(grpc_url, texts, args.output_tokens, concurrency, **options), args.step_timeout)
-            )
+            result[label] = asyncio.run(asyncio.wait_for(run, args.step_timeout))
         except (TimeoutError, asyncio.TimeoutError):
-            result[label] = f"did not finish in {args.step_timeout} s"
+            result[label] = f"{len(ends)} of {len(texts)} requests finished in {args.step_timeout} s"
+            result["stall"] = stall_report(server, args.profile_dir)
             raise
         finally:
             print(label, json.dumps(result.get(label)), flush=True)

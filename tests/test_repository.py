@@ -1,5 +1,6 @@
 """Rendering model_repository/ templates: a broken repository is refused, naming the model and field."""
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -162,3 +163,18 @@ def test_cuda_graphs_are_rendered_only_on_cuda_when_asked(manifest, monkeypatch,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
     assert plan.engine_values["cuda_graphs"] == expected
+
+
+def test_python_backend_threads_cover_every_admitted_request(tmp_path):
+    """A decoupled BLS call holds a Python-backend thread until its first response (the bridge's
+    whole answer): the pool is sized for running + waiting requests, and the server is started with it."""
+    from dataclasses import replace
+
+    from tritonllm.server import TritonServer
+
+    assert PLAN.tritonserver_args() == ["--backend-config=python,thread-pool-size=48"]  # 8 running + 8 waiting + 32
+    bigger = replace(PLAN, max_batch_size=256, max_queue_size=512)
+    assert bigger.tritonserver_args() == ["--backend-config=python,thread-pool-size=800"]
+    (tmp_path / "manifest.json").write_text(json.dumps({"tritonserver_args": bigger.tritonserver_args()}))
+    command = TritonServer(tmp_path / "model_repository", tmp_path / "tritonserver").command()
+    assert "--backend-config=python,thread-pool-size=800" in command

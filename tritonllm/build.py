@@ -39,6 +39,21 @@ class BuildPlan:
     engine_values: dict[str, str] = field(default_factory=dict)  # the flavor's own template values
     details: dict = field(default_factory=dict)  # what else the manifest records
 
+    @property
+    def queue_size(self) -> int:
+        return self.max_queue_size or self.max_batch_size
+
+    def tritonserver_args(self) -> list[str]:
+        """Server options this repository needs; the manifest records them and every launcher passes them.
+
+        Triton's Python backend serves each model instance's BLS calls and response sends from a
+        pool of threads (32 unless set), and a decoupled BLS call holds a thread until the callee's
+        first response: for tensorrt_llm_bridge that is the whole answer, so 32 threads would cap
+        the ensemble's requests in flight at 32. The pool gets one thread per request the engine
+        admits (running and waiting) on top of the default 32.
+        """
+        return [f"--backend-config=python,thread-pool-size={self.max_batch_size + self.queue_size + 32}"]
+
     def template_values(self) -> dict[str, str]:
         return {
             "triton_max_batch_size": str(self.max_batch_size),
@@ -52,7 +67,7 @@ class BuildPlan:
             "max_seq_len": str(self.max_seq_len),
             "vocab_size": str(self.vocab_size),
             "max_inflight_requests": str(8 * self.max_batch_size),
-            "max_queue_size": str(self.max_queue_size or self.max_batch_size),
+            "max_queue_size": str(self.queue_size),
             **self.engine_values,
         }
 
@@ -309,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         **{k: v for k, v in asdict(plan).items() if k not in ("engine_values", "details")},
         **plan.details,
         "tokenizer_dir": plan.model_dir,
+        "tritonserver_args": plan.tritonserver_args(),
         "model_source": args.model or "default",
         "models": models,
         "versions": versions(),

@@ -174,7 +174,11 @@ def launch(build_dir: Path, exit_timeout: int) -> None:
         info = read_engine(Path(manifest["engine_dir"]))
         check_version(info, version("tensorrt_llm"))
         world_size = info.world_size
-    extra = [f"--exit-timeout-secs={exit_timeout}", *restricted_api_flags(os.environ.get("TRITONLLM_ADMIN_KEY"))]
+    extra = [
+        f"--exit-timeout-secs={exit_timeout}",
+        *manifest.get("tritonserver_args", []),
+        *restricted_api_flags(os.environ.get("TRITONLLM_ADMIN_KEY")),
+    ]
     command = launch_command(build_dir / "model_repository", world_size, extra=extra)
     os.execvp(command[0], command)
 

@@ -9,6 +9,7 @@ imports this environment's packages (numpy, torch, transformers, tritonllm).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -105,6 +106,7 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             "--disable-auto-complete-config",
             "--exit-on-error=true",
+            *build_options(self.repository),
             *restricted_api_flags(self.admin_key),
         ]
 
@@ -178,6 +180,12 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def build_options(repository: Path) -> list[str]:
+    """The server options build_engines.py recorded for this repository (see BuildPlan.tritonserver_args)."""
+    manifest = repository.parent / "manifest.json"
+    return json.loads(manifest.read_text()).get("tritonserver_args", []) if manifest.is_file() else []
 
 
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
