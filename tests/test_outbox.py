@@ -78,3 +78,14 @@ def test_outbox_survives_a_failing_send_and_ticks():
     assert sent == ["good"]
     assert reports == ["sending a response failed"]
     assert len(ticks) >= 2
+
+
+def test_close_sends_what_is_queued():
+    sent = []
+    box = Outbox(
+        "test-sender", lambda key, item: sent.append(item), join_text, tick=lambda: None, period=0.05, report=print
+    )
+    for item in "abc":
+        box.put(object(), item)
+    box.close()
+    assert sorted(sent) == ["a", "b", "c"]

@@ -58,6 +58,7 @@ class Outbox(Generic[T]):
         self._queue.put((key, item))
 
     def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued (a model being unloaded still owes its last responses), then stop."""
         self._running = False
         self._thread.join(timeout)
 
@@ -75,12 +76,15 @@ class Outbox(Generic[T]):
 
     def _loop(self) -> None:
         next_tick = time.monotonic() + self._period
-        while self._running:
-            for key, item in coalesce(self._take(), self._merge):
+        while True:
+            items = self._take()
+            for key, item in coalesce(items, self._merge):
                 try:
                     self._send(key, item)
                 except Exception:  # one failed response must not stop the others
                     self._report("sending a response failed")
+            if not self._running and not items:
+                return
             if time.monotonic() >= next_tick:
                 try:
                     self._tick()
