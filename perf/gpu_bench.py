@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import json
 import sys
@@ -92,6 +93,49 @@ def run_engine(engine, batches: list[list[list[int]]], output_tokens: int) -> di
     }
 
 
+@contextlib.contextmanager
+def timeline(sample, into: dict, every: float = 0.5):
+    """into["batch_timeline"]: [seconds, requests in the batch, requests waiting] every `every` s while the block runs
+    (how fast the batch fills and drains: served requests reach the engine over time, in-process ones at once)."""
+    points: list[list] = []
+    done = threading.Event()
+
+    def loop() -> None:
+        started = time.perf_counter()
+        while not done.wait(every):
+            points.append([round(time.perf_counter() - started, 1), *sample()])
+
+    sampler = threading.Thread(target=loop, daemon=True)
+    sampler.start()
+    try:
+        yield
+    finally:
+        done.set()
+        sampler.join()
+        into["batch_timeline"] = points
+
+
+def engine_load(engine) -> tuple[int, int]:
+    """An in-process engine's requests in the batch and waiting."""
+    in_batch = engine.in_batch()
+    return in_batch, engine.running() - in_batch
+
+
+def engine_gauges(server) -> tuple[int, int]:
+    """The engine's running and waiting request gauges, read from the server's metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    found = dict.fromkeys(("running", "waiting"), 0)
+    for line in text.splitlines():
+        if line.startswith("tritonllm_engine_requests{"):
+            for state in found:
+                if f'state="{state}"' in line:
+                    found[state] = int(float(line.rsplit(" ", 1)[1]))
+    return found["running"], found["waiting"]
+
+
 def in_process(model_dir: Path, ids: list[list[int]], output_tokens: int, options: dict, seq_len: int) -> dict:
     """The portable engine in this process with EngineConfig `options`: 3 single streams, then all requests."""
     import gc
@@ -116,7 +160,10 @@ def in_process(model_dir: Path, ids: list[list[int]], output_tokens: int, option
         run_engine(engine, [ids[:8]], 8)  # warm-up
         result["c1"] = run_engine(engine, [[i] for i in ids[:3]], output_tokens)
         run_engine(engine, [ids], output_tokens)  # the first full batch meets new shapes
-        result[f"c{len(ids)}"] = run_engine(engine, [ids], output_tokens)
+        gauges: dict = {}
+        with timeline(functools.partial(engine_load, engine), gauges):
+            result[f"c{len(ids)}"] = run_engine(engine, [ids], output_tokens)
+        result[f"c{len(ids)}"].update(gauges)
     finally:
         engine.shutdown()
         del engine
@@ -407,8 +454,11 @@ def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: lis
             with profiled(profile, "c1", seconds=8):
                 measure("c1", texts[:3], 1)
             measure(everything + "_first", texts, args.requests)
-        with profiled(profile, everything, seconds=12):
+        gauges: dict = {}
+        with profiled(profile, everything, seconds=12), timeline(lambda: engine_gauges(server), gauges):
             measure(everything, texts, args.requests)
+        if isinstance(result.get(everything), dict):
+            result[everything].update(gauges)
         measure(everything + "_ensemble", texts, args.requests, streaming=False)
         if not args.served_throughput_only:
             measure(everything + "_sampled", texts, args.requests, sampled=True)
