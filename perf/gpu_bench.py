@@ -123,12 +123,8 @@ def engine_load(engine) -> tuple[int, int]:
 
 def engine_gauges(server) -> tuple[int, int]:
     """The engine's running and waiting request gauges, read from the server's metrics."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     found = dict.fromkeys(("running", "waiting"), 0)
-    for line in text.splitlines():
+    for line in server.metrics(timeout=5).splitlines():
         if line.startswith("tritonllm_engine_requests{"):
             for state in found:
                 if f'state="{state}"' in line:
@@ -275,28 +271,31 @@ async def served(
     }
 
 
+def stub_pids() -> list[tuple[str, str]]:
+    """(model, pid) of every Python-backend stub process on this machine."""
+    import subprocess
+
+    lines = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    # A stub's arguments start with its model file: .../<model>/<version>/model.py
+    return [(line.split()[2].split("/")[-3], line.split()[0]) for line in lines if "python_backend_stub " in line]
+
+
 def stall_report(server, out: Path | None) -> dict:
     """What a stalled server is doing: its queue and load gauges, and (with py-spy) every stub thread's stack."""
     import subprocess
-    import urllib.request
 
-    with urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=10) as response:
-        lines = response.read().decode().splitlines()
     report = {
         "metrics": [
             line
-            for line in lines
+            for line in server.metrics().splitlines()
             if not line.startswith("#") and "_bucket" not in line and ("pending" in line or "tritonllm" in line)
         ]
     }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        stubs = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
-        for line in stubs:
-            if "python_backend_stub" in line:
-                pid, model = line.split()[0], line.split()[2].split("/")[-3]
-                dump = subprocess.run(["py-spy", "dump", "--native", "--pid", pid], capture_output=True, text=True)
-                (out / f"stall-{model}-{pid}.txt").write_text(dump.stdout + dump.stderr)
+        for model, pid in stub_pids():
+            dump = subprocess.run(["py-spy", "dump", "--native", "--pid", pid], capture_output=True, text=True)
+            (out / f"stall-{model}-{pid}.txt").write_text(dump.stdout + dump.stderr)
     return report
 
 
@@ -309,11 +308,9 @@ def profiled(out: Path | None, label: str, seconds: int):
     import subprocess
 
     out.mkdir(parents=True, exist_ok=True)
-    stubs = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
     spies = []
-    for model in ("tensorrt_llm", "tensorrt_llm_bls"):
-        pids = [line.split()[0] for line in stubs if "python_backend_stub" in line and f"/{model}/1/model.py" in line]
-        for pid in pids:
+    for model, pid in stub_pids():
+        if model in ("tensorrt_llm", "tensorrt_llm_bls"):
             command = ["py-spy", "record", "--format", "raw", "--threads", "--rate", "200", "--duration", str(seconds)]
             command += ["--pid", pid, "--output", str(out / f"{label}-{model}.txt")]
             spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))

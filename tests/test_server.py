@@ -234,9 +234,8 @@ def test_request_tensors_only_send_what_is_given():
 
 def scrape(server) -> dict[str, float]:
     """The tritonllm_* samples of the metrics port, keyed by their text (name and labels)."""
-    text = urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=30).read().decode()
     samples = {}
-    for line in text.splitlines():
+    for line in server.metrics(timeout=30).splitlines():
         if line.startswith("tritonllm_"):
             key, value = line.rsplit(" ", 1)
             samples[key] = float(value)

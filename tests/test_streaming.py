@@ -175,8 +175,7 @@ def test_bad_input_on_the_stream_is_an_error_not_a_hang(urls):
 
 
 def in_flight(server) -> float:
-    text = urllib.request.urlopen(f"http://{server.host}:{server.metrics_port}/metrics", timeout=10).read().decode()
-    match = re.search(r"^tritonllm_engine_requests_in_flight\{[^}]*\} (\S+)$", text, re.M)
+    match = re.search(r"^tritonllm_engine_requests_in_flight\{[^}]*\} (\S+)$", server.metrics(), re.M)
     assert match, "the engine's in-flight gauge is missing from /metrics"
     return float(match.group(1))
 

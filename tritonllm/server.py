@@ -150,6 +150,11 @@ class TritonServer:
     def is_ready(self) -> bool:
         return http_ready(self.http_url)
 
+    def metrics(self, timeout: float = 10.0) -> str:
+        """The metrics port's Prometheus text."""
+        with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=timeout) as response:
+            return response.read().decode()
+
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGINT (Triton drains and unloads models), then SIGKILL of the whole group if it hangs."""
         if self.process is None:

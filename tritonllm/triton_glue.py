@@ -72,16 +72,14 @@ def exec_decoupled(request, keep: list):
     return responses
 
 
-def settle_after(sender, keep: list) -> bool:
-    """Drop the iterators kept by `exec_decoupled` safely; returns `sender.is_cancelled()`.
+def settle_after(sender, keep: list) -> None:
+    """Drop the iterators kept by `exec_decoupled`, after an `is_cancelled()` round trip.
 
-    Needs a real round trip: the stub answers without one once a request was found cancelled,
-    and a call from another thread on the same sender that is already under way may be answered
-    first; callers make sure of both (see tensorrt_llm_bls).
+    Only for a sender no other thread asks and that was not found cancelled before: the stub
+    answers those without a round trip (tensorrt_llm_bls handles both cases itself).
     """
-    cancelled = sender.is_cancelled()
+    sender.is_cancelled()
     keep.clear()
-    return cancelled
 
 
 def raise_if_error(response) -> None:
