@@ -16,6 +16,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import os
 import sys
 import threading
 import time
@@ -66,7 +67,7 @@ def prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
     return [((base * (tokens // len(base) + 2))[i % 7 : i % 7 + tokens]) for i in range(n)]
 
 
-def run_engine(engine, batches: list[list[list[int]]], output_tokens: int) -> dict:
+def run_engine(engine, batches: list[list[list[int]]], output_tokens: int, streaming=False) -> dict:
     """Each batch of prompts submitted at once, one batch after the other: output tokens/s, TTFT p50."""
     from tritonllm.engine import GenerationRequest
 
@@ -76,16 +77,17 @@ def run_engine(engine, batches: list[list[list[int]]], output_tokens: int) -> di
         done = threading.Semaphore(0)
 
         def emit(emission, done=done):
+            nonlocal tokens
+            tokens += len(emission.token_ids)
             if emission.final:
                 finals.append(emission)
                 done.release()
 
         for ids in batch:
-            engine.submit(GenerationRequest(ids, output_tokens), emit)
+            engine.submit(GenerationRequest(ids, output_tokens, streaming=streaming), emit)
         for _ in batch:
             done.acquire()
     elapsed = time.perf_counter() - started
-    tokens = sum(len(f.token_ids) for f in finals)
     assert all(f.error is None for f in finals), [f.error for f in finals if f.error]
     return {
         "output_tokens_per_s": round(tokens / elapsed, 1),
@@ -156,10 +158,11 @@ def in_process(model_dir: Path, ids: list[list[int]], output_tokens: int, option
         run_engine(engine, [ids[:8]], 8)  # warm-up
         result["c1"] = run_engine(engine, [[i] for i in ids[:3]], output_tokens)
         run_engine(engine, [ids], output_tokens)  # the first full batch meets new shapes
-        gauges: dict = {}
-        with timeline(functools.partial(engine_load, engine), gauges):
-            result[f"c{len(ids)}"] = run_engine(engine, [ids], output_tokens)
-        result[f"c{len(ids)}"].update(gauges)
+        for label, streaming in ((f"c{len(ids)}", False), (f"c{len(ids)}_streaming", True)):
+            gauges: dict = {}
+            with timeline(functools.partial(engine_load, engine), gauges):
+                result[label] = run_engine(engine, [ids], output_tokens, streaming)
+            result[label].update(gauges)
     finally:
         engine.shutdown()
         del engine
@@ -278,6 +281,29 @@ def stub_pids() -> list[tuple[str, str]]:
     lines = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
     # A stub's arguments start with its model file: .../<model>/<version>/model.py
     return [(line.split()[2].split("/")[-3], line.split()[0]) for line in lines if "python_backend_stub " in line]
+
+
+def cpu_seconds(server) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by tritonserver, each stub process and this client."""
+
+    def used(pid) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    pids = {"tritonserver": server.process.pid, "client": os.getpid()}
+    pids.update((f"{model} {pid}", pid) for model, pid in stub_pids())
+    return {name: used(pid) for name, pid in pids.items()}
+
+
+@contextlib.contextmanager
+def cores_used(server, into: dict):
+    """into["cores"]: each process's CPU seconds per second of the block (1.0: one core busy all the time)."""
+    before, started = cpu_seconds(server), time.perf_counter()
+    try:
+        yield
+    finally:
+        after, elapsed = cpu_seconds(server), time.perf_counter() - started
+        into["cores"] = {name: round((after[name] - before.get(name, 0.0)) / elapsed, 2) for name in after}
 
 
 def stall_report(server, out: Path | None) -> dict:
@@ -451,12 +477,16 @@ def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: lis
             with profiled(profile, "c1", seconds=8):
                 measure("c1", texts[:3], 1)
             measure(everything + "_first", texts, args.requests)
-        gauges: dict = {}
-        with profiled(profile, everything, seconds=12), timeline(lambda: engine_gauges(server), gauges):
-            measure(everything, texts, args.requests)
-        if isinstance(result.get(everything), dict):
-            result[everything].update(gauges)
-        measure(everything + "_ensemble", texts, args.requests, streaming=False)
+        for label, streaming in ((everything, True), (everything + "_ensemble", False)):
+            extra: dict = {}
+            with (
+                profiled(profile if streaming else None, everything, seconds=12),
+                timeline(lambda: engine_gauges(server), extra),
+                cores_used(server, extra),
+            ):
+                measure(label, texts, args.requests, streaming=streaming)
+            if isinstance(result.get(label), dict):
+                result[label].update(extra)
         if not args.served_throughput_only:
             measure(everything + "_sampled", texts, args.requests, sampled=True)
     except (TimeoutError, asyncio.TimeoutError):

@@ -124,6 +124,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "kv_cache_tokens": str(kv_cache_tokens),
             "max_batch_tokens": str(args.max_batch_tokens),
             "cuda_graphs": str(device == "cuda" and args.cuda_graphs).lower(),
+            "gil_switch_interval_ms": str(args.gil_switch_interval_ms),
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
         details={
@@ -281,6 +282,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "each new batch shape (see docs/PERFORMANCE.md before using it under high concurrency)",
     )
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
+    portable.add_argument(
+        "--gil-switch-interval-ms",
+        type=float,
+        default=0,
+        help="how long the engine's generation loop may keep Python's GIL from a waiting thread of its process "
+        "(request intake, response sending); 0: Python's default, 5",
+    )
     trt = parser.add_argument_group("TensorRT-LLM engine")
     trt.add_argument("--quant", choices=list(QUANT_ALGOS), default="none", help="weight (and activation) quantization")
     trt.add_argument("--kv-cache-quant", choices=list(KV_CACHE_QUANT_ALGOS), default="none")

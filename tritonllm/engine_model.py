@@ -12,6 +12,7 @@ request, or a cancelled client) ends the same way, with the tokens generated unt
 from __future__ import annotations
 
 import queue
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -60,6 +61,11 @@ class EngineModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError("tensorrt_llm must be decoupled: set model_transaction_policy { decoupled: true }")
         params = parameters(config)
+        switch_ms = float(params.get("gil_switch_interval_ms") or 0)
+        if switch_ms > 0:
+            # The generation loop holds the GIL but for short releases, which a waiting thread rarely
+            # wins: each of its GIL acquisitions waits out the switch interval.
+            sys.setswitchinterval(switch_ms / 1000)
         device = "cpu"
         if args.get("model_instance_kind") == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
