@@ -134,7 +134,9 @@ def engine_gauges(server) -> tuple[int, int]:
     return found["running"], found["waiting"]
 
 
-def in_process(model_dir: Path, ids: list[list[int]], output_tokens: int, options: dict, seq_len: int) -> dict:
+def in_process(
+    model_dir: Path, ids: list[list[int]], output_tokens: int, options: dict, seq_len: int, profile: Path | None
+) -> dict:
     """The portable engine in this process with EngineConfig `options`: 3 single streams, then all requests."""
     import gc
 
@@ -160,7 +162,11 @@ def in_process(model_dir: Path, ids: list[list[int]], output_tokens: int, option
         run_engine(engine, [ids], output_tokens)  # the first full batch meets new shapes
         for label, streaming in ((f"c{len(ids)}", False), (f"c{len(ids)}_streaming", True)):
             gauges: dict = {}
-            with timeline(functools.partial(engine_load, engine), gauges):
+            spied = profile if not streaming else None
+            with (
+                profiled(spied, label, seconds=10, pids=[("in_process", str(os.getpid()))]),
+                timeline(functools.partial(engine_load, engine), gauges),
+            ):
                 result[label] = run_engine(engine, [ids], output_tokens, streaming)
             result[label].update(gauges)
     finally:
@@ -326,20 +332,25 @@ def stall_report(server, out: Path | None) -> dict:
 
 
 @contextlib.contextmanager
-def profiled(out: Path | None, label: str, seconds: int):
-    """py-spy on the engine's and the streaming model's stub processes while the block runs."""
+def profiled(out: Path | None, label: str, seconds: int, pids: list[tuple[str, str]] | None = None):
+    """py-spy on `pids` ((name, pid); default: the engine's and the streaming model's stubs) while the block
+    runs, and the shared libraries each process has loaded (a stub embeds its own libpython)."""
     if out is None:
         yield
         return
     import subprocess
 
     out.mkdir(parents=True, exist_ok=True)
+    if pids is None:
+        pids = [(model, pid) for model, pid in stub_pids() if model in ("tensorrt_llm", "tensorrt_llm_bls")]
     spies = []
-    for model, pid in stub_pids():
-        if model in ("tensorrt_llm", "tensorrt_llm_bls"):
-            command = ["py-spy", "record", "--format", "raw", "--threads", "--rate", "200", "--duration", str(seconds)]
-            command += ["--pid", pid, "--output", str(out / f"{label}-{model}.txt")]
-            spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    for name, pid in pids:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        (out / f"{label}-{name}-libs.txt").write_text("\n".join(sorted({m.split()[-1] for m in maps if ".so" in m})))
+        command = ["py-spy", "record", "--nonblocking", "--format", "raw", "--threads", "--rate", "200"]
+        command += ["--duration", str(seconds)]
+        command += ["--pid", pid, "--output", str(out / f"{label}-{name}.txt")]
+        spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     try:
         yield
     finally:
@@ -401,7 +412,8 @@ def main() -> int:
         for options in json.loads(args.variants):
             key = "in_process " + json.dumps(options, sort_keys=True)
             try:
-                report[key] = in_process(model_dir, ids, args.output_tokens, options, seq_len)
+                profile = args.profile_dir / "in_process" if args.profile_dir else None
+                report[key] = in_process(model_dir, ids, args.output_tokens, options, seq_len, profile)
             except Exception as exc:  # one failing variant must not cost the others
                 report[key] = f"failed: {exc!r}"[:300]
             print(json.dumps(report), flush=True)
