@@ -56,12 +56,27 @@ def prepare_backends(work_dir: Path) -> Path:
     return work_dir / "backends"
 
 
+def loader_dirs() -> set[Path]:
+    """The directories of the dynamic loader's cache (resolved): searched without LD_LIBRARY_PATH."""
+    try:
+        listing = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return set()
+    return {Path(line.rsplit("=> ", 1)[1]).parent.resolve() for line in listing.splitlines() if "=> " in line}
+
+
 def server_env() -> dict[str, str]:
     env = dict(os.environ)
-    libs = [sysconfig.get_config_var("LIBDIR") or "", str(pytriton_root().parent / "nvidia_pytriton.libs")]
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([p for p in libs if p] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(
-        os.pathsep
-    )
+    libs = [str(pytriton_root().parent / "nvidia_pytriton.libs")]  # hashed names: they shadow nothing
+    libdir = sysconfig.get_config_var("LIBDIR")
+    # The stub links this interpreter's libpython. Its folder goes on LD_LIBRARY_PATH only when the
+    # loader would not search it anyway: LD_LIBRARY_PATH outranks the RUNPATH through which pip's
+    # CUDA libraries find each other, so a system folder there (with the image's own cuDNN) gave
+    # torch in the engine's stub a mix of two cuDNN releases and no cuDNN attention: served steps
+    # ran 1.5x slower than in-process on an H200 (docs/PERFORMANCE.md).
+    if libdir and Path(libdir).resolve() not in loader_dirs():
+        libs.insert(0, libdir)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
