@@ -18,6 +18,7 @@ from tritonllm.model_source import ModelSourceError, resolve_model
 from tritonllm.repository import RepositoryError, write_repository
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DEFAULT_RESPONSE_RATE = 0.0  # see --max-response-rate
 
 
 class BuildError(ValueError):
@@ -124,7 +125,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "kv_cache_tokens": str(kv_cache_tokens),
             "max_batch_tokens": str(args.max_batch_tokens),
             "cuda_graphs": str(device == "cuda" and args.cuda_graphs).lower(),
-            "gil_switch_interval_ms": str(args.gil_switch_interval_ms),
+            "max_response_rate": str(args.max_response_rate),
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
         details={
@@ -283,11 +284,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
     portable.add_argument(
-        "--gil-switch-interval-ms",
+        "--max-response-rate",
         type=float,
-        default=0,
-        help="how long the engine's generation loop may keep Python's GIL from a waiting thread of its process "
-        "(request intake, response sending); 0: Python's default, 5",
+        default=DEFAULT_RESPONSE_RATE,
+        help="responses per second the engine sends at most, all streams together; beyond it each streamed "
+        "response carries several tokens (each send costs the generation loop time; 0: no bound)",
     )
     trt = parser.add_argument_group("TensorRT-LLM engine")
     trt.add_argument("--quant", choices=list(QUANT_ALGOS), default="none", help="weight (and activation) quantization")

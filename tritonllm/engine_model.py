@@ -12,7 +12,6 @@ request, or a cancelled client) ends the same way, with the tokens generated unt
 from __future__ import annotations
 
 import queue
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -61,11 +60,6 @@ class EngineModel:
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise ValueError("tensorrt_llm must be decoupled: set model_transaction_policy { decoupled: true }")
         params = parameters(config)
-        switch_ms = float(params.get("gil_switch_interval_ms") or 0)
-        if switch_ms > 0:
-            # The generation loop holds the GIL but for short releases, which a waiting thread rarely
-            # wins: each of its GIL acquisitions waits out the switch interval.
-            sys.setswitchinterval(switch_ms / 1000)
         device = "cpu"
         if args.get("model_instance_kind") == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
@@ -93,7 +87,13 @@ class EngineModel:
         self.metrics = EngineMetrics(args["model_name"], args["model_version"])
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # metric records, flushed by the sender thread
         self._outbox: Outbox[Emission] = Outbox(
-            "tensorrt_llm-sender", self._send, Emission.merge, self._tick, CANCEL_CHECK_SECONDS, log_exception
+            "tensorrt_llm-sender",
+            self._send,
+            Emission.merge,
+            self._tick,
+            CANCEL_CHECK_SECONDS,
+            log_exception,
+            max_rate=float(params.get("max_response_rate") or 0),
         )
 
     def execute(self, requests: list) -> None:
