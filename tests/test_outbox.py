@@ -89,25 +89,3 @@ def test_close_sends_what_is_queued():
         box.put(object(), item)
     box.close()
     assert sorted(sent) == ["a", "b", "c"]
-
-
-def test_outbox_keeps_to_max_rate_by_merging_what_queues_meanwhile():
-    """At 10 sends/s, a batch of 4 is followed by 0.4 s without sends: each key's later items leave as one."""
-    sent: list[tuple[object, str]] = []
-    keys = [object() for _ in range(4)]
-    box = Outbox("test-sender", lambda k, i: sent.append((k, i)), join_text, lambda: None, 0.05, print, max_rate=10)
-    try:
-        for key in keys:
-            box.put(key, "a")
-        deadline = time.monotonic() + 5
-        while len(sent) < 4 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        for item in "bcd":  # well inside the 0.4 s pause
-            for key in keys:
-                box.put(key, item)
-        while len(sent) < 8 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)
-    finally:
-        box.close()
-    assert sent == [(k, "a") for k in keys] + [(k, "bcd") for k in keys]

@@ -24,7 +24,6 @@ PLAN = BuildPlan(
         "kv_cache_tokens": "1024",
         "max_batch_tokens": "64",
         "cuda_graphs": "false",
-        "max_response_rate": "0",
         "engine_instance_kind": "KIND_CPU",
     },
 )

@@ -18,7 +18,6 @@ from tritonllm.model_source import ModelSourceError, resolve_model
 from tritonllm.repository import RepositoryError, write_repository
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-DEFAULT_RESPONSE_RATE = 0.0  # see --max-response-rate
 
 
 class BuildError(ValueError):
@@ -125,7 +124,6 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "kv_cache_tokens": str(kv_cache_tokens),
             "max_batch_tokens": str(args.max_batch_tokens),
             "cuda_graphs": str(device == "cuda" and args.cuda_graphs).lower(),
-            "max_response_rate": str(args.max_response_rate),
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
         details={
@@ -283,13 +281,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "each new batch shape (see docs/PERFORMANCE.md before using it under high concurrency)",
     )
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
-    portable.add_argument(
-        "--max-response-rate",
-        type=float,
-        default=DEFAULT_RESPONSE_RATE,
-        help="responses per second the engine sends at most, all streams together; beyond it each streamed "
-        "response carries several tokens (each send costs the generation loop time; 0: no bound)",
-    )
     trt = parser.add_argument_group("TensorRT-LLM engine")
     trt.add_argument("--quant", choices=list(QUANT_ALGOS), default="none", help="weight (and activation) quantization")
     trt.add_argument("--kv-cache-quant", choices=list(KV_CACHE_QUANT_ALGOS), default="none")

@@ -87,13 +87,7 @@ class EngineModel:
         self.metrics = EngineMetrics(args["model_name"], args["model_version"])
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # metric records, flushed by the sender thread
         self._outbox: Outbox[Emission] = Outbox(
-            "tensorrt_llm-sender",
-            self._send,
-            Emission.merge,
-            self._tick,
-            CANCEL_CHECK_SECONDS,
-            log_exception,
-            max_rate=float(params.get("max_response_rate") or 0),
+            "tensorrt_llm-sender", self._send, Emission.merge, self._tick, CANCEL_CHECK_SECONDS, log_exception
         )
 
     def execute(self, requests: list) -> None:

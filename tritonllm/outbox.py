@@ -8,12 +8,6 @@ and at once; under load one response carries the tokens that arrived while the p
 were being sent, so the number of round trips stays what the server can take instead of the
 streams falling further and further behind. The same thread asks `tick` to run every `period`
 seconds (cancellation checks, gauges), so no other thread talks to the server per token.
-
-Each send also costs the producer's process: the sender needs the GIL before and after every
-round trip, and takes it from a generation loop that releases it in every tensor operation. With
-`max_rate` the sender keeps to that many sends per second: after sending n items it waits until
-n / max_rate seconds have passed, and what queues meanwhile is merged. A single stream is never
-held back (n = 1); at 256 streams each response carries the tokens of several steps.
 """
 
 from __future__ import annotations
@@ -53,10 +47,8 @@ class Outbox(Generic[T]):
         tick: Callable[[], None],
         period: float,
         report: Callable[[str], None],
-        max_rate: float = 0.0,
     ) -> None:
         self._send, self._merge, self._tick, self._period, self._report = send, merge, tick, period, report
-        self._max_rate = max_rate  # sends per second; 0: no bound
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._running = True
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -86,9 +78,7 @@ class Outbox(Generic[T]):
         next_tick = time.monotonic() + self._period
         while True:
             items = self._take()
-            started = time.monotonic()
-            batch = coalesce(items, self._merge)
-            for key, item in batch:
+            for key, item in coalesce(items, self._merge):
                 try:
                     self._send(key, item)
                 except Exception:  # one failed response must not stop the others
@@ -101,5 +91,3 @@ class Outbox(Generic[T]):
                 except Exception:
                     self._report("the sender's periodic check failed")
                 next_tick = time.monotonic() + self._period
-            if self._max_rate and self._running:
-                time.sleep(max(0.0, len(batch) / self._max_rate - (time.monotonic() - started)))
