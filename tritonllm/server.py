@@ -1,9 +1,10 @@
 """Run the `tritonserver` 2.51 binary shipped in the `nvidia-pytriton` wheel, without Docker.
 
 Only the binary is used, not PyTriton's API. Its Python backend needs a stub built for this
-Python version next to `libtriton_python.so`, the interpreter's libpython and the wheel's bundled
-libraries on LD_LIBRARY_PATH, and this environment's `bin/` first on PATH so that the stub
-imports this environment's packages (numpy, torch, transformers, tritonllm).
+Python version next to `libtriton_python.so`, the wheel's bundled libraries and the interpreter's
+libpython on LD_LIBRARY_PATH (libpython's folder only where the loader would not find it), and this
+environment's `bin/` first on PATH so that the stub imports this environment's packages (numpy,
+torch, transformers, tritonllm).
 """
 
 from __future__ import annotations
