@@ -127,13 +127,13 @@ def engine_load(engine) -> tuple[int, int]:
 
 def engine_gauges(server) -> tuple[int, int]:
     """The engine's running and waiting request gauges, read from the server's metrics."""
-    found = dict.fromkeys(("running", "waiting"), 0)
-    for line in server.metrics(timeout=5).splitlines():
-        if line.startswith("tritonllm_engine_requests{"):
-            for state in found:
-                if f'state="{state}"' in line:
-                    found[state] = int(float(line.rsplit(" ", 1)[1]))
-    return found["running"], found["waiting"]
+    from tritonllm.server import metric_samples, metric_value
+
+    samples = metric_samples(server.metrics(timeout=5))
+    running, waiting = (
+        int(metric_value(samples, "tritonllm_engine_requests", state=s)) for s in ("running", "waiting")
+    )
+    return running, waiting
 
 
 def in_process(

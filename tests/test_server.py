@@ -21,6 +21,7 @@ import tritonclient.http as httpclient
 from client import GenerationError, generate, request_tensors
 from tests.conftest import ROOT
 from tritonllm.detokenization import REPLACEMENT, Detokenizer
+from tritonllm.server import metric_samples, metric_value
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["What is the capital of France?", "中国的首都是哪里？", "Write a haiku about autumn."]
@@ -234,18 +235,7 @@ def test_request_tensors_only_send_what_is_given():
 
 def scrape(server) -> dict[str, float]:
     """The tritonllm_* samples of the metrics port, keyed by their text (name and labels)."""
-    samples = {}
-    for line in server.metrics(timeout=30).splitlines():
-        if line.startswith("tritonllm_"):
-            key, value = line.rsplit(" ", 1)
-            samples[key] = float(value)
-    return samples
-
-
-def metric(samples: dict[str, float], name: str, **labels) -> float:
-    return sum(
-        v for k, v in samples.items() if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items())
-    )
+    return metric_samples(server.metrics(timeout=30))
 
 
 def test_metrics_add_up_after_traffic(server, url):
@@ -269,7 +259,7 @@ def test_metrics_add_up_after_traffic(server, url):
     time.sleep(0.6)  # the engine flushes its metrics every 0.2 s
     after = scrape(server)
     delta = {
-        name: metric(after, name) - metric(before, name)
+        name: metric_value(after, name) - metric_value(before, name)
         for name in (
             "tritonllm_requests_finished_total",
             "tritonllm_output_tokens_total",
@@ -279,7 +269,7 @@ def test_metrics_add_up_after_traffic(server, url):
         )
     }
     assert delta["tritonllm_requests_finished_total"] == len(lengths)
-    assert metric(after, "tritonllm_requests_finished_total", finish_reason="length") - metric(
+    assert metric_value(after, "tritonllm_requests_finished_total", finish_reason="length") - metric_value(
         before, "tritonllm_requests_finished_total", finish_reason="length"
     ) == len(lengths)
     assert delta["tritonllm_output_tokens_total"] == sum(lengths)
@@ -287,10 +277,10 @@ def test_metrics_add_up_after_traffic(server, url):
     assert delta["tritonllm_time_to_first_token_seconds_count"] == len(lengths)
     assert delta["tritonllm_time_per_output_token_seconds_count"] == len(lengths)
     errors = {
-        k: metric(after, "tritonllm_request_errors_total", kind=k)
-        - metric(before, "tritonllm_request_errors_total", kind=k)
+        k: metric_value(after, "tritonllm_request_errors_total", kind=k)
+        - metric_value(before, "tritonllm_request_errors_total", kind=k)
         for k in ("invalid_input", "server_busy", "generation_failed")
     }
     assert errors == {"invalid_input": 1, "server_busy": 0, "generation_failed": 0}
-    assert metric(after, "tritonllm_engine_requests_in_flight") == 0
-    assert metric(after, "tritonllm_engine_requests", state="running") == 0
+    assert metric_value(after, "tritonllm_engine_requests_in_flight") == 0
+    assert metric_value(after, "tritonllm_engine_requests", state="running") == 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import tritonclient.grpc as grpcclient
 from client import generate, infer_inputs, request_tensors, stream
 from tests.conftest import ROOT
 from tritonllm.detokenization import REPLACEMENT
+from tritonllm.server import metric_samples, metric_value
 
 pytestmark = pytest.mark.integration
 
@@ -175,9 +175,10 @@ def test_bad_input_on_the_stream_is_an_error_not_a_hang(urls):
 
 
 def in_flight(server) -> float:
-    match = re.search(r"^tritonllm_engine_requests_in_flight\{[^}]*\} (\S+)$", server.metrics(), re.M)
-    assert match, "the engine's in-flight gauge is missing from /metrics"
-    return float(match.group(1))
+    samples = metric_samples(server.metrics())
+    name = "tritonllm_engine_requests_in_flight"
+    assert any(key.startswith(name + "{") for key in samples), "the engine's in-flight gauge is missing from /metrics"
+    return metric_value(samples, name)
 
 
 def wait_for_in_flight(server, value: float, timeout: float = 30.0) -> float:

@@ -83,6 +83,21 @@ def server_env() -> dict[str, str]:
     return env
 
 
+def metric_samples(text: str, prefix: str = "tritonllm_") -> dict[str, float]:
+    """The samples of Prometheus text whose name starts with `prefix`, keyed by their name and labels."""
+    return {
+        key: float(value)
+        for key, value in (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(prefix))
+    }
+
+
+def metric_value(samples: dict[str, float], name: str, **labels) -> float:
+    """The sum of `name`'s samples that carry all of `labels`."""
+    return sum(
+        v for k, v in samples.items() if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items())
+    )
+
+
 @dataclass
 class TritonServer:
     repository: Path
