@@ -144,9 +144,6 @@ def in_process(
 
     from tritonllm.engine import EngineConfig, PortableEngine
 
-    options = dict(options)
-    # Not an EngineConfig option: whether torch may use cuDNN's attention (set for this variant only).
-    torch.backends.cuda.enable_cudnn_sdp(options.pop("cudnn_sdp", True))
     started = time.perf_counter()
     engine = PortableEngine(
         EngineConfig(
@@ -182,7 +179,6 @@ def in_process(
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-        torch.backends.cuda.enable_cudnn_sdp(True)
     return result
 
 
@@ -385,14 +381,13 @@ def main() -> int:
     parser.add_argument(
         "--build-variants",
         default="[[]]",
-        help="JSON list of build_engines.py argument lists, one served measurement each: '[[], [\"--cuda-graphs\"]]'"
-        '; the pseudo-argument "cudnn_sdp=false" serves without cuDNN attention',
+        help="JSON list of build_engines.py argument lists, one served measurement each: '[[], [\"--cuda-graphs\"]]'",
     )
     parser.add_argument("--step-timeout", type=float, default=180, help="seconds a served measurement may take")
     parser.add_argument(
         "--variants",
         default='[{"cuda_graphs": false}, {"cuda_graphs": true}]',
-        help='JSON list of EngineConfig options (and "cudnn_sdp": false), one in-process measurement each',
+        help="JSON list of EngineConfig options, one in-process measurement each",
     )
     parser.add_argument(
         "--profile-dir", type=Path, help="record py-spy profiles (collapsed stacks) of the serving stubs here"
@@ -440,30 +435,11 @@ def main() -> int:
     for n, build_args in enumerate(json.loads(args.build_variants)):
         key = "served " + " ".join(build_args) if build_args else "served"
         try:
-            with attention_switch("cudnn_sdp=false" not in build_args, args.work / "site"):
-                build_args = [a for a in build_args if a != "cudnn_sdp=false"]
-                report[key] = serve(args, model_dir, seq_len, texts, build_args, args.work / f"build{n}")
+            report[key] = serve(args, model_dir, seq_len, texts, build_args, args.work / f"build{n}")
         except Exception as exc:  # a server that does not start must not cost the other variants
             report[key] = f"failed: {exc!r}"[-600:]
         print(json.dumps(report), flush=True)
     return 0
-
-
-@contextlib.contextmanager
-def attention_switch(cudnn_sdp: bool, site: Path):
-    """Without cuDNN attention (cudnn_sdp False): a sitecustomize on the server's PYTHONPATH switches it off in
-    every stub that imports torch (the experiment only; the engine has no such option)."""
-    if cudnn_sdp:
-        yield
-        return
-    site.mkdir(parents=True, exist_ok=True)
-    (site / "sitecustomize.py").write_text("import torch\n\ntorch.backends.cuda.enable_cudnn_sdp(False)\n")
-    before = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), before]).rstrip(os.pathsep)
-    try:
-        yield
-    finally:
-        os.environ["PYTHONPATH"] = before
 
 
 def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: list[str], build: Path) -> dict:

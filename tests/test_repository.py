@@ -24,6 +24,7 @@ PLAN = BuildPlan(
         "kv_cache_tokens": "1024",
         "max_batch_tokens": "64",
         "cuda_graphs": "false",
+        "cudnn_attention": "false",
         "engine_instance_kind": "KIND_CPU",
     },
 )
@@ -148,21 +149,22 @@ def test_batch_size_above_a_step_is_refused(templates):
         render_configs(VALUES, templates)
 
 
+@pytest.mark.parametrize("flag", ["--cuda-graphs", "--cudnn-attention"])
 @pytest.mark.parametrize(
     ("argv", "cuda", "expected"),
     [
         (["--device", "cuda"], True, "false"),  # opt-in
-        (["--device", "cuda", "--cuda-graphs"], True, "true"),
-        (["--device", "cpu", "--cuda-graphs"], True, "false"),  # graphs are CUDA only
-        (["--cuda-graphs"], False, "false"),  # auto picks the CPU here
+        (["--device", "cuda", "FLAG"], True, "true"),
+        (["--device", "cpu", "FLAG"], True, "false"),  # CUDA only
+        (["FLAG"], False, "false"),  # auto picks the CPU here
     ],
 )
-def test_cuda_graphs_are_rendered_only_on_cuda_when_asked(manifest, monkeypatch, argv, cuda, expected):
+def test_cuda_options_are_rendered_only_on_cuda_when_asked(manifest, monkeypatch, flag, argv, cuda, expected):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
-    assert plan.engine_values["cuda_graphs"] == expected
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args([flag if a == "FLAG" else a for a in argv]))
+    assert plan.engine_values[flag[2:].replace("-", "_")] == expected
 
 
 def test_python_backend_threads_cover_every_admitted_request(tmp_path):

@@ -124,6 +124,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "kv_cache_tokens": str(kv_cache_tokens),
             "max_batch_tokens": str(args.max_batch_tokens),
             "cuda_graphs": str(device == "cuda" and args.cuda_graphs).lower(),
+            "cudnn_attention": str(device == "cuda" and args.cudnn_attention).lower(),
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
         details={
@@ -131,6 +132,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "kv_cache_tokens": kv_cache_tokens,
             "max_batch_tokens": args.max_batch_tokens,
             "cuda_graphs": device == "cuda" and args.cuda_graphs,
+            "cudnn_attention": device == "cuda" and args.cudnn_attention,
         },
     )
 
@@ -279,6 +281,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=False,
         help="on CUDA, capture engine steps in CUDA graphs: ~4x faster single streams, but a new graph for "
         "each new batch shape (see docs/PERFORMANCE.md before using it under high concurrency)",
+    )
+    portable.add_argument(
+        "--cudnn-attention",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="on CUDA, let torch use cuDNN's attention kernel: fast when batch shapes repeat, but it builds a "
+        "graph for each new shape, which served traffic keeps meeting (docs/PERFORMANCE.md)",
     )
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
     trt = parser.add_argument_group("TensorRT-LLM engine")

@@ -125,6 +125,10 @@ class EngineConfig:
     graph_q_padding: int = 16
     graph_kv_padding: int = 256
     attention: str = "sdpa"  # the attention implementation (transformers' attn_implementation)
+    # Let torch's SDPA pick cuDNN's attention kernel (CUDA). It builds a cuDNN graph for every new batch
+    # shape, and served batches are rarely the same twice: on an H200, 256 requests arriving over 2 s ran
+    # at 1,393 tokens/s with it and 1,733 without, batch 1 at 19.6 and 31.6 (docs/PERFORMANCE.md).
+    cudnn_attention: bool = False
 
 
 class PortableEngine:
@@ -132,6 +136,9 @@ class PortableEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.device.startswith("cuda"):
+            # A process-wide setting: the engine owns its process (one per Triton model instance).
+            torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
         self.model = AutoModelForCausalLM.from_pretrained(
             config.model_dir, dtype=getattr(torch, config.dtype), attn_implementation=config.attention
         ).to(config.device)

@@ -77,6 +77,7 @@ class EngineModel:
                 kv_cache_tokens=int(params["kv_cache_tokens"]),
                 max_batch_tokens=int(params["max_batch_tokens"]),
                 cuda_graphs=device != "cpu" and flag(params.get("cuda_graphs", "false")),
+                cudnn_attention=flag(params.get("cudnn_attention", "false")),
             )
         )
         started = time.perf_counter()
