@@ -167,6 +167,23 @@ def test_cuda_options_are_rendered_only_on_cuda_when_asked(manifest, monkeypatch
     assert plan.engine_values[flag[2:].replace("-", "_")] == expected
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--cuda-graphs"], "true"),  # one cuDNN graph build per captured graph
+        ([], "false"),  # without graphs, one per new batch shape: every few steps
+        (["--cuda-graphs", "--no-cudnn-attention"], "false"),
+        (["--cudnn-attention"], "true"),
+    ],
+)
+def test_cudnn_attention_follows_cuda_graphs_unless_asked(manifest, monkeypatch, argv, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
+    assert plan.engine_values["cudnn_attention"] == expected
+
+
 def test_python_backend_threads_cover_every_admitted_request(tmp_path):
     """A decoupled BLS call holds a Python-backend thread until its first response (the bridge's
     whole answer): the pool is sized for running + waiting requests, and the server is started with it."""

@@ -89,6 +89,10 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     elif device == "cuda" and not torch.cuda.is_available():
         raise BuildError("--device cuda: PyTorch sees no CUDA GPU here. Use --device cpu (or auto).")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    graphs = device == "cuda" and args.cuda_graphs
+    # cuDNN's attention builds a cuDNN graph per new batch shape: paid once per captured CUDA graph, but
+    # on every step of a served batch without graphs, so by default it follows --cuda-graphs.
+    cudnn = device == "cuda" and (graphs if args.cudnn_attention is None else args.cudnn_attention)
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
     model_max = getattr(text_config, "max_position_embeddings", None) or args.max_seq_len
@@ -123,16 +127,16 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "dtype": dtype,
             "kv_cache_tokens": str(kv_cache_tokens),
             "max_batch_tokens": str(args.max_batch_tokens),
-            "cuda_graphs": str(device == "cuda" and args.cuda_graphs).lower(),
-            "cudnn_attention": str(device == "cuda" and args.cudnn_attention).lower(),
+            "cuda_graphs": str(graphs).lower(),
+            "cudnn_attention": str(cudnn).lower(),
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
         details={
             "device": device,
             "kv_cache_tokens": kv_cache_tokens,
             "max_batch_tokens": args.max_batch_tokens,
-            "cuda_graphs": device == "cuda" and args.cuda_graphs,
-            "cudnn_attention": device == "cuda" and args.cudnn_attention,
+            "cuda_graphs": graphs,
+            "cudnn_attention": cudnn,
         },
     )
 
@@ -285,9 +289,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     portable.add_argument(
         "--cudnn-attention",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="on CUDA, let torch use cuDNN's attention kernel: fast when batch shapes repeat, but it builds a "
-        "graph for each new shape, which served traffic keeps meeting (docs/PERFORMANCE.md)",
+        help="on CUDA, let torch use cuDNN's attention kernel (default: with --cuda-graphs): faster kernels, "
+        "but a cuDNN graph is built for each new batch shape, which served batches keep meeting unless "
+        "steps are captured in CUDA graphs (docs/PERFORMANCE.md)",
     )
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
     trt = parser.add_argument_group("TensorRT-LLM engine")

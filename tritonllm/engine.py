@@ -127,7 +127,8 @@ class EngineConfig:
     attention: str = "sdpa"  # the attention implementation (transformers' attn_implementation)
     # Let torch's SDPA pick cuDNN's attention kernel (CUDA). It builds a cuDNN graph for every new batch
     # shape, and served batches are rarely the same twice: on an H200, 256 requests arriving over 2 s ran
-    # at 1,393 tokens/s with it and 1,733 without, batch 1 at 19.6 and 31.6 (docs/PERFORMANCE.md).
+    # at 1,393 tokens/s with it and 1,733 without, batch 1 at 19.6 and 31.6 (docs/PERFORMANCE.md). Under
+    # CUDA graphs it is built once per captured graph.
     cudnn_attention: bool = False
 
 
