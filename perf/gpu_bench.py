@@ -336,7 +336,7 @@ def stall_report(server, out: Path | None) -> dict:
     return report
 
 
-SPY_OPTIONS: list[str] = []  # py-spy options for every profile (--profile-native)
+SPY_OPTIONS: list[str] = ["--nonblocking", "--rate", "200"]  # py-spy options for every profile
 
 
 @contextlib.contextmanager
@@ -355,7 +355,7 @@ def profiled(out: Path | None, label: str, seconds: int, pids: list[tuple[str, s
     for name, pid in pids:
         maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
         (out / f"{label}-{name}-libs.txt").write_text("\n".join(sorted({m.split()[-1] for m in maps if ".so" in m})))
-        command = ["py-spy", "record", "--nonblocking", "--format", "raw", "--threads", "--rate", "200", *SPY_OPTIONS]
+        command = ["py-spy", "record", "--format", "raw", "--threads", *SPY_OPTIONS]
         command += ["--duration", str(seconds)]
         command += ["--pid", pid, "--output", str(out / f"{label}-{name}.txt")]
         spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
@@ -392,10 +392,15 @@ def main() -> int:
     parser.add_argument(
         "--profile-dir", type=Path, help="record py-spy profiles (collapsed stacks) of the serving stubs here"
     )
-    parser.add_argument("--profile-native", action="store_true", help="profiles with C/C++ frames (py-spy --native)")
+    parser.add_argument(
+        "--profile-native",
+        action="store_true",
+        help="profiles with C/C++ frames (py-spy --native): py-spy must then stop the process for each sample, "
+        "so they are taken at 50 Hz and slow what they measure",
+    )
     args = parser.parse_args()
     if args.profile_native:
-        SPY_OPTIONS.append("--native")
+        SPY_OPTIONS[:] = ["--native", "--rate", "50"]  # py-spy has no native frames without stopping the process
     from transformers import AutoTokenizer
 
     model_dir = args.work / "qwen7b-random"
