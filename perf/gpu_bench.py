@@ -386,7 +386,7 @@ def main() -> int:
     parser.add_argument("--step-timeout", type=float, default=180, help="seconds a served measurement may take")
     parser.add_argument(
         "--variants",
-        default='[{"cuda_graphs": false}, {"cuda_graphs": true}]',
+        default='[{"cuda_graphs": false}, {"cuda_graphs": true, "cudnn_attention": true}]',  # the build's defaults
         help="JSON list of EngineConfig options, one in-process measurement each",
     )
     parser.add_argument(
