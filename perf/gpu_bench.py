@@ -199,6 +199,38 @@ def sampling_ms(rows: int, vocab: int) -> float:
     return (time.perf_counter() - started) / 20 * 1000
 
 
+def varlen_check() -> dict:
+    """tritonllm/attention.py's FlashAttention call against per-request SDPA in float32 (tests/test_attention.py),
+    on steps shaped like the batching manager's: prefill chunks after cached tokens, decode steps, padding."""
+    from tests.test_attention import reference_kernel
+    from tritonllm.attention import varlen_attention
+
+    torch.manual_seed(0)
+    q_lens, k_lens = [128, 1, 1, 37, 0], [128, 200, 5, 300, 0]
+    cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *np.cumsum(k_lens)], dtype=torch.int32, device="cuda")
+    query = torch.randn(1, 28, sum(q_lens) + 16, 128, device="cuda", dtype=torch.bfloat16)  # 16 padded rows
+    key, value = torch.randn(2, 1, 4, sum(k_lens), 128, device="cuda", dtype=torch.bfloat16)
+    scale = 128**-0.5
+    out, _ = varlen_attention(
+        None,
+        query,
+        key,
+        value,
+        None,
+        scaling=scale,
+        cu_seq_lens_q=cu_q,
+        cu_seq_lens_k=cu_k,
+        max_length_q=max(q_lens),
+        max_length_k=max(k_lens),
+    )
+    rows = sum(q_lens)
+    qkv = (t.squeeze(0).transpose(0, 1).float().cpu() for t in (query, key, value))
+    expected = reference_kernel(*qkv, cu_q.cpu(), cu_k.cpu(), max(q_lens), max(k_lens), scale, (-1, 0))
+    error = (out[0, :rows].float().cpu() - expected[:rows]).abs()
+    return {"max_abs_error": round(error.max().item(), 4), "mean_abs_error": round(error.mean().item(), 5)}
+
+
 def generate_batch_1(model, ids: list[int], tokens: int) -> float:
     """Plain `generate`, batch 1: the single-stream baseline."""
     prompt = torch.tensor([ids], device="cuda")
@@ -386,7 +418,8 @@ def main() -> int:
     parser.add_argument("--step-timeout", type=float, default=180, help="seconds a served measurement may take")
     parser.add_argument(
         "--variants",
-        default='[{"cuda_graphs": false}, {"cuda_graphs": true, "cudnn_attention": true}]',  # the build's defaults
+        # the build's CUDA defaults
+        default='[{"cuda_graphs": false, "attention": "varlen"}, {"cuda_graphs": true, "attention": "varlen"}]',
         help="JSON list of EngineConfig options, one in-process measurement each",
     )
     parser.add_argument(
@@ -418,6 +451,10 @@ def main() -> int:
     seq_len = args.prompt_tokens + args.output_tokens + 64
     if not args.skip_in_process:
         report["generate_batch_1"] = round(generate_batch_1(model, ids[0], 64), 1)
+        try:
+            report["varlen_check"] = varlen_check()
+        except Exception as exc:
+            report["varlen_check"] = f"failed: {exc!r}"[:300]
         report[f"sampling_ms_{args.requests}_rows"] = round(sampling_ms(args.requests, QWEN_7B["vocab_size"]), 2)
     started = time.perf_counter()
     model.save_pretrained(model_dir)

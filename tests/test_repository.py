@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tritonllm.build import BuildPlan, parse_args, plan_portable
+from tritonllm.build import BuildError, BuildPlan, parse_args, plan_portable
 from tritonllm.repository import TEMPLATES, RepositoryError, render_configs, write_repository
 
 PLAN = BuildPlan(
@@ -25,6 +25,7 @@ PLAN = BuildPlan(
         "max_batch_tokens": "64",
         "cuda_graphs": "false",
         "cudnn_attention": "false",
+        "attention": "sdpa",
         "engine_instance_kind": "KIND_CPU",
     },
 )
@@ -182,6 +183,27 @@ def test_cudnn_attention_follows_cuda_graphs_unless_asked(manifest, monkeypatch,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
     assert plan.engine_values["cudnn_attention"] == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "cuda", "expected"),
+    [
+        (["--device", "cuda"], True, "varlen"),  # auto: per-request attention where it runs
+        (["--device", "cuda", "--attention", "sdpa"], True, "sdpa"),
+        ([], False, "sdpa"),  # auto picks the CPU here, where the FlashAttention kernel does not run
+    ],
+)
+def test_attention_is_varlen_on_cuda_unless_asked(manifest, monkeypatch, argv, cuda, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    assert plan.engine_values["attention"] == expected
+
+
+def test_varlen_attention_on_cpu_is_refused_with_what_to_do(manifest):
+    with pytest.raises(BuildError, match=r"--attention varlen: .*use --attention sdpa on CPU"):
+        plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cpu", "--attention", "varlen"]))
 
 
 def test_python_backend_threads_cover_every_admitted_request(tmp_path):

@@ -93,6 +93,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     # cuDNN's attention builds a cuDNN graph per new batch shape: paid once per captured CUDA graph, but
     # on every step of a served batch without graphs, so by default it follows --cuda-graphs.
     cudnn = device == "cuda" and (graphs if args.cudnn_attention is None else args.cudnn_attention)
+    attention = portable_attention(device, args.attention)
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
     model_max = getattr(text_config, "max_position_embeddings", None) or args.max_seq_len
@@ -129,6 +130,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "max_batch_tokens": str(args.max_batch_tokens),
             "cuda_graphs": str(graphs).lower(),
             "cudnn_attention": str(cudnn).lower(),
+            "attention": attention,
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
         details={
@@ -137,8 +139,22 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "max_batch_tokens": args.max_batch_tokens,
             "cuda_graphs": graphs,
             "cudnn_attention": cudnn,
+            "attention": attention,
         },
     )
+
+
+def portable_attention(device: str, asked: str) -> str:
+    """The engine's attention: varlen (per-request FlashAttention) on CUDA where torch has it, else SDPA."""
+    from tritonllm.attention import unavailable_reason
+    from tritonllm.engine import VARLEN
+
+    reason = unavailable_reason(device)
+    if asked == "auto":
+        return "sdpa" if reason else VARLEN
+    if asked == VARLEN and reason:
+        raise BuildError(f"--attention {VARLEN}: {reason}")
+    return asked
 
 
 def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> BuildPlan:
@@ -292,6 +308,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="on CUDA, let torch use cuDNN's attention kernel (default: with --cuda-graphs): faster kernels, "
         "but a cuDNN graph is built for each new batch shape, which served batches keep meeting unless "
         "steps are captured in CUDA graphs (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--attention",
+        choices=["auto", "sdpa", "varlen"],
+        default="auto",
+        help="attention kernel: varlen (CUDA: torch's FlashAttention over each request's own tokens) or sdpa "
+        "(a mask across the whole batch); auto: varlen where it runs (docs/PERFORMANCE.md)",
     )
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
     trt = parser.add_argument_group("TensorRT-LLM engine")

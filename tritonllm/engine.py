@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from tritonllm import attention
 from tritonllm.sampling import ArgumentGroups, BadWords, Sampling, ends_with
 from tritonllm.tokenization import MAX_WORDS
 
@@ -31,6 +32,7 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
+VARLEN = "varlen"
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,8 @@ class EngineConfig:
     # tokens a step: 22 tokens/s; with 16 / 256, 89 tokens/s (docs/PERFORMANCE.md).
     graph_q_padding: int = 16
     graph_kv_padding: int = 256
-    attention: str = "sdpa"  # the attention implementation (transformers' attn_implementation)
+    # "sdpa", or "varlen" (CUDA): torch's FlashAttention over each request's own tokens (tritonllm/attention.py)
+    attention: str = "sdpa"
     # Let torch's SDPA pick cuDNN's attention kernel (CUDA). It builds a cuDNN graph for every new batch
     # shape, and served batches are rarely the same twice: on an H200, 256 requests arriving over 2 s ran
     # at 1,393 tokens/s with it and 1,733 without, batch 1 at 19.6 and 31.6 (docs/PERFORMANCE.md). Under
@@ -137,11 +140,16 @@ class PortableEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        varlen = config.attention == VARLEN
+        if varlen and (reason := attention.unavailable_reason(config.device)):
+            raise ValueError(f"attention {VARLEN!r}: {reason}")
         if config.device.startswith("cuda"):
             # A process-wide setting: the engine owns its process (one per Triton model instance).
             torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
         self.model = AutoModelForCausalLM.from_pretrained(
-            config.model_dir, dtype=getattr(torch, config.dtype), attn_implementation=config.attention
+            config.model_dir,
+            dtype=getattr(torch, config.dtype),
+            attn_implementation="sdpa" if varlen else config.attention,
         ).to(config.device)
         self.model.eval()
         generation_config = GenerationConfig(
@@ -163,6 +171,9 @@ class PortableEngine:
                 auto_switch_to_flash=False,
             ),
         )
+        if varlen:
+            # After the manager checked the implementation, before it allocates its step buffers (attention.py).
+            self.model.set_attn_implementation(attention.register())
         graphs = config.cuda_graphs
         self._manager.logit_processor = ArgumentGroups(
             [Sampling(always=graphs), BadWords(always=graphs, max_words=MAX_WORDS)]
