@@ -6,7 +6,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tritonllm.sampling import GREEDY, ArgumentGroups, BadWords, Sampling, ban, sample, step_seed, uniform
+from tritonllm.sampling import (
+    GREEDY,
+    ArgumentGroups,
+    BadWords,
+    Sampling,
+    ban,
+    request_processors,
+    sample,
+    step_seed,
+    uniform,
+)
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # token 1 most likely, then 3, 2, 0
 LOGITS = PROBS.log()
@@ -133,6 +143,17 @@ def test_argument_rows_carry_each_request_to_its_row(always):
     assert torch.equal(out[0], scores[0])
     assert torch.isneginf(out[1]).sum() == 3
     assert out[2].argmax() == 1 and torch.isneginf(out[2]).sum() == 3
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_a_sampling_request_never_draws_a_banned_token(always):
+    plist = request_processors(always, max_words=2)
+    storage = torch.zeros(plist.tensors_required, 8, dtype=torch.int32)
+    plist.fill_defaults(storage[:, :1])
+    kwargs = {"sample": True, "temperature": 1.0, "top_k": 1, "top_p": 1.0, "seed": 5, "bad_words": ((1,),)}
+    args = plist.prepare_tensor_args([request(**kwargs)], storage)
+    out = plist(None, LOGITS.repeat(1, 1), args[:, :1])
+    assert out[0].argmax() == 3 and torch.isneginf(out[0]).sum() == 3  # the most likely token left
 
 
 def test_eager_steps_without_sampling_or_bans_skip_the_work():

@@ -22,7 +22,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from tritonllm import attention
-from tritonllm.sampling import ArgumentGroups, BadWords, Sampling, ends_with
+from tritonllm.sampling import ends_with, request_processors
 from tritonllm.tokenization import MAX_WORDS
 
 log = logging.getLogger(__name__)
@@ -175,9 +175,7 @@ class PortableEngine:
             # After the manager checked the implementation, before it allocates its step buffers (attention.py).
             self.model.set_attn_implementation(attention.register())
         graphs = config.cuda_graphs
-        self._manager.logit_processor = ArgumentGroups(
-            [Sampling(always=graphs), BadWords(always=graphs, max_words=MAX_WORDS)]
-        )
+        self._manager.logit_processor = request_processors(always=graphs, max_words=MAX_WORDS)
         if graphs and hasattr(self._manager, "warmup"):
             # Capture the largest graphs now, which sizes their shared memory pool, rather than in the first
             # requests' latency; smaller shapes are captured when first met.

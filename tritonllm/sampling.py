@@ -3,9 +3,9 @@
 transformers' batching manager samples with one global switch (`do_sample`) and one global random
 generator, so a request's result would depend on which other requests share its batch. The engine
 runs the manager greedy (argmax) and these processors turn the row of each sampling request into a
-one-hot row of the token drawn for it: temperature, top-k, top-p, then a Gumbel-max draw whose noise
-is a counter-based hash of (request seed, position, token id). A draw therefore depends on the request
-alone, and greedy rows are untouched, so greedy output is exactly `generate(do_sample=False)`'s.
+one-hot row of the token drawn for it: temperature, top-k, top-p, then the kept distribution inverted at
+a uniform number that is a counter-based hash of (request seed, position). A draw therefore depends on the
+request alone, and greedy rows are untouched, so greedy output is exactly `generate(do_sample=False)`'s.
 
 The manager keeps int32 rows of per-request arguments, prepared on the host before each step.
 Everything computed from those rows is tensor operations of fixed shape, with no host
@@ -56,18 +56,23 @@ def sample(
     scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor
 ) -> torch.Tensor:
     """Rows with a seed >= 0 become one-hot (0 at the drawn token, -inf elsewhere); the others are returned as
-    they are. scores [B, V] float32; temperature, top_p [B] float32; top_k [B] int (0 = off); seeds [B] int."""
+    they are. scores [B, V] float32; temperature, top_p [B] float32; top_k [B] int (0 = off); seeds [B] int.
+
+    The draw inverts the kept tokens' cumulative distribution at one uniform number per row, so beyond the
+    sort it costs a few passes over the scores (CUDA graphs pay it for every row, sampling or not)."""
     vocab = scores.size(-1)
-    values, order = (scores / temperature.unsqueeze(-1)).sort(dim=-1, descending=True)
+    values, order = (scores / temperature.unsqueeze(-1)).sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=scores.device).unsqueeze(0)
     keep = rank < torch.where(top_k > 0, top_k, vocab).unsqueeze(-1)
     probs = values.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)
     # Nucleus: the smallest prefix whose mass reaches top_p, i.e. the tokens whose predecessors' mass is below it.
-    keep &= (probs.cumsum(dim=-1) - probs) < top_p.unsqueeze(-1)
+    keep &= (cdf - probs) < top_p.unsqueeze(-1)
     keep |= rank == 0
-    gumbel = -torch.log(-torch.log(uniform(seeds, order)))
-    choice = (values + gumbel).masked_fill(~keep, float("-inf")).argmax(dim=-1, keepdim=True)
-    drawn = torch.full_like(scores, float("-inf")).scatter_(1, order.gather(1, choice), 0.0)
+    kept = keep.sum(dim=-1, keepdim=True)  # the kept tokens are a prefix of the sorted order
+    target = uniform(seeds, torch.zeros_like(kept)) * cdf.gather(1, kept - 1)
+    index = (cdf < target).sum(dim=-1, keepdim=True).clamp(max=kept - 1)
+    drawn = torch.full_like(scores, float("-inf")).scatter_(1, order.gather(1, index), 0.0)
     return torch.where((seeds >= 0).unsqueeze(-1), drawn, scores)
 
 
@@ -209,6 +214,11 @@ class BadWords(ArgumentGroup):
 
     def apply(self, scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
         return ban(scores, args.T)
+
+
+def request_processors(always: bool, max_words: int) -> ArgumentGroups:
+    """The engine's processors: bans first, so a sampling request draws from the tokens left to it."""
+    return ArgumentGroups([BadWords(always, max_words), Sampling(always)])
 
 
 def ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:
