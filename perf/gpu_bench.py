@@ -413,7 +413,8 @@ def main() -> int:
     parser.add_argument(
         "--build-variants",
         default="[[]]",
-        help="JSON list of build_engines.py argument lists, one served measurement each: '[[], [\"--cuda-graphs\"]]'",
+        help="JSON list of build_engines.py argument lists, one served measurement each: '[[], [\"--cuda-graphs\"]]'; "
+        "NAME=VALUE entries set the server's environment instead",
     )
     parser.add_argument("--step-timeout", type=float, default=180, help="seconds a served measurement may take")
     parser.add_argument(
@@ -489,6 +490,8 @@ def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: lis
     from tritonllm.build import main as build_main
     from tritonllm.server import TritonServer
 
+    env = dict(a.split("=", 1) for a in build_args if not a.startswith("-"))  # NAME=VALUE: the server's environment
+    build_args = [a for a in build_args if a.startswith("-")]
     code = build_main(
         [
             "--model",
@@ -518,7 +521,13 @@ def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: lis
     log = build / "server.log"
     server = TritonServer.on_free_ports(build, log_file=log)
     started = time.perf_counter()
-    server.start(timeout=540)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        server.start(timeout=540)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     result: dict = {"server_ready_s": round(time.perf_counter() - started, 1)}
     grpc_url = f"{server.host}:{server.grpc_port}"
     profile = args.profile_dir / build.name if args.profile_dir else None

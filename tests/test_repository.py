@@ -154,27 +154,28 @@ def test_batch_size_above_a_step_is_refused(templates):
 @pytest.mark.parametrize(
     ("argv", "cuda", "expected"),
     [
-        (["--device", "cuda"], True, "false"),  # opt-in
-        (["--device", "cuda", "FLAG"], True, "true"),
+        (["--device", "cuda"], True, "true"),  # on by default on CUDA
+        (["--device", "cuda", "NO_FLAG"], True, "false"),
         (["--device", "cpu", "FLAG"], True, "false"),  # CUDA only
         (["FLAG"], False, "false"),  # auto picks the CPU here
     ],
 )
-def test_cuda_options_are_rendered_only_on_cuda_when_asked(manifest, monkeypatch, flag, argv, cuda, expected):
+def test_cuda_options_are_rendered_only_on_cuda(manifest, monkeypatch, flag, argv, cuda, expected):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    plan = plan_portable(Path(manifest["model_dir"]), parse_args([flag if a == "FLAG" else a for a in argv]))
+    flags = {"FLAG": flag, "NO_FLAG": "--no-" + flag[2:]}
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args([flags.get(a, a) for a in argv]))
     assert plan.engine_values[flag[2:].replace("-", "_")] == expected
 
 
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--cuda-graphs"], "true"),  # one cuDNN graph build per captured graph
-        ([], "false"),  # without graphs, one per new batch shape: every few steps
-        (["--cuda-graphs", "--no-cudnn-attention"], "false"),
-        (["--cudnn-attention"], "true"),
+        ([], "true"),  # with CUDA graphs (the default): one cuDNN graph build per captured graph
+        (["--no-cuda-graphs"], "false"),  # without them, one per new batch shape: every few steps
+        (["--no-cudnn-attention"], "false"),
+        (["--no-cuda-graphs", "--cudnn-attention"], "true"),
     ],
 )
 def test_cudnn_attention_follows_cuda_graphs_unless_asked(manifest, monkeypatch, argv, expected):
