@@ -413,8 +413,8 @@ def main() -> int:
     parser.add_argument(
         "--build-variants",
         default="[[]]",
-        help="JSON list of build_engines.py argument lists, one served measurement each: '[[], [\"--cuda-graphs\"]]'; "
-        "NAME=VALUE entries set the server's environment instead",
+        help="JSON list of build_engines.py argument lists, one served measurement each: "
+        "'[[], [\"--no-cuda-graphs\"]]'; NAME=VALUE entries set the server's environment instead",
     )
     parser.add_argument("--step-timeout", type=float, default=180, help="seconds a served measurement may take")
     parser.add_argument(
