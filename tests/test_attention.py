@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from tritonllm import attention
-from tritonllm.engine import VARLEN, EngineConfig, GenerationRequest, PortableEngine
+from tritonllm.attention import VARLEN
+from tritonllm.engine import EngineConfig, GenerationRequest, PortableEngine
 
 
 def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):

@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-NAME = "tritonllm_varlen"
+VARLEN = "varlen"  # the engine's `attention` value (build_engines.py --attention varlen)
+NAME = "tritonllm_varlen"  # the implementation's name in transformers' attention interface
 
 
 @functools.cache

@@ -146,8 +146,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
 
 def portable_attention(device: str, asked: str) -> str:
     """The engine's attention: varlen (per-request FlashAttention) on CUDA where torch has it, else SDPA."""
-    from tritonllm.attention import unavailable_reason
-    from tritonllm.engine import VARLEN
+    from tritonllm.attention import VARLEN, unavailable_reason
 
     reason = unavailable_reason(device)
     if asked == "auto":

@@ -32,7 +32,6 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_CANCELLED = "cancelled"
 FINISH_ERROR = "error"
-VARLEN = "varlen"
 
 
 @dataclass(frozen=True)
@@ -140,9 +139,9 @@ class PortableEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        varlen = config.attention == VARLEN
+        varlen = config.attention == attention.VARLEN
         if varlen and (reason := attention.unavailable_reason(config.device)):
-            raise ValueError(f"attention {VARLEN!r}: {reason}")
+            raise ValueError(f"attention {attention.VARLEN!r}: {reason}")
         if config.device.startswith("cuda"):
             # A process-wide setting: the engine owns its process (one per Triton model instance).
             torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
