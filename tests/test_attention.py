@@ -74,6 +74,23 @@ def test_cpu_is_refused_with_what_to_do():
         PortableEngine(EngineConfig("unused", attention=VARLEN))
 
 
+def test_varlen_needs_torch_with_scale_and_window(monkeypatch):
+    """torch 2.10's varlen_attn takes no scale (models choose their own): CUDA then falls back to SDPA."""
+    import torch.nn.attention.varlen as varlen
+
+    def torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None): ...
+
+    attention._varlen_attn.cache_clear()
+    try:
+        assert attention.unavailable_reason("cuda") is None  # this environment's torch
+        monkeypatch.setattr(varlen, "varlen_attn", torch_2_10)
+        attention._varlen_attn.cache_clear()
+        assert "torch 2.11 or later" in attention.unavailable_reason("cuda")
+    finally:
+        monkeypatch.undo()
+        attention._varlen_attn.cache_clear()
+
+
 def test_batched_engine_on_varlen_equals_sdpa(manifest, tokenizer, monkeypatch):
     """The engine switched to the adapter gives the SDPA engine's greedy tokens for requests that share steps."""
     calls = []

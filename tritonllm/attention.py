@@ -27,14 +27,18 @@ NAME = "tritonllm_varlen"  # the implementation's name in transformers' attentio
 
 @functools.cache
 def _varlen_attn() -> tuple[Callable, dict] | None:
-    """torch's varlen_attn and the options it needs here, or None in releases without it."""
+    """torch's varlen_attn and the options it needs here, or None in releases without it or without the
+    scale and window arguments (torch 2.10's has neither: models choose their own scale)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
+    parameters = inspect.signature(varlen_attn).parameters
+    if not {"scale", "window_size"} <= parameters.keys():
+        return None
     # Grouped-query attention (fewer key/value heads) is native to the kernel; later torch releases ask for
     # it explicitly.
-    options = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+    options = {"enable_gqa": True} if "enable_gqa" in parameters else {}
     return varlen_attn, options
 
 
@@ -43,7 +47,10 @@ def unavailable_reason(device: str) -> str | None:
     if not device.startswith("cuda"):
         return "varlen attention runs on CUDA GPUs only (FlashAttention kernels); use --attention sdpa on CPU"
     if _varlen_attn() is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen (torch 2.10 or later has it)"
+        return (
+            f"torch {torch.__version__} lacks torch.nn.attention.varlen.varlen_attn with scale and window "
+            "arguments (torch 2.11 or later has it); use --attention sdpa or upgrade torch"
+        )
     return None
 
 
