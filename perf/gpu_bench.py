@@ -161,6 +161,8 @@ def in_process(
     try:
         run_engine(engine, [ids[:8]], 8)  # warm-up
         result["c1"] = run_engine(engine, [[i] for i in ids[:3]], output_tokens)
+        if profile is not None:
+            result["c1_device_ms_per_token"] = kernel_profile(engine, ids[0], profile / "c1-kernels.txt")
         run_engine(engine, [ids], output_tokens)  # the first full batch meets new shapes
         # The third arrives over 2 s like the served requests do: its steps meet batch shapes the warm-up did
         # not (the cuDNN attention builds a graph per new shape).
@@ -180,6 +182,22 @@ def in_process(
         gc.collect()
         torch.cuda.empty_cache()
     return result
+
+
+def kernel_profile(engine, ids: list[int], out: Path, tokens: int = 32) -> float | str:
+    """One stream of `tokens` under torch's profiler: its device kernels, heaviest first, go to `out`; returns
+    the device time per generated token (a step's GPU work, against the step's wall time in "c1")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run_engine(engine, [[ids]], tokens)
+        averages = prof.key_averages()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(averages.table(sort_by="self_device_time_total", row_limit=60))
+        return round(sum(e.self_device_time_total for e in averages) / 1000 / tokens, 2)
+    except Exception as exc:  # a profiler that fails must not cost the measurement
+        return f"failed: {exc!r}"[:200]
 
 
 def sampling_ms(rows: int, vocab: int) -> float:
@@ -424,7 +442,10 @@ def main() -> int:
         help="JSON list of EngineConfig options, one in-process measurement each",
     )
     parser.add_argument(
-        "--profile-dir", type=Path, help="record py-spy profiles (collapsed stacks) of the serving stubs here"
+        "--profile-dir",
+        type=Path,
+        help="record py-spy profiles (collapsed stacks) of the serving stubs here, and in-process the device "
+        "kernels of one stream (torch profiler)",
     )
     parser.add_argument(
         "--profile-native",
@@ -463,10 +484,10 @@ def main() -> int:
     del model
     torch.cuda.empty_cache()
     if not args.skip_in_process:
-        for options in json.loads(args.variants):
+        for n, options in enumerate(json.loads(args.variants)):
             key = "in_process " + json.dumps(options, sort_keys=True)
             try:
-                profile = args.profile_dir / "in_process" if args.profile_dir else None
+                profile = args.profile_dir / f"in_process{n}" if args.profile_dir else None
                 report[key] = in_process(model_dir, ids, args.output_tokens, options, seq_len, profile)
             except Exception as exc:  # one failing variant must not cost the others
                 report[key] = f"failed: {exc!r}"[:300]
