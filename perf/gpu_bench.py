@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -542,13 +543,8 @@ def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: lis
     log = build / "server.log"
     server = TritonServer.on_free_ports(build, log_file=log)
     started = time.perf_counter()
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):  # the server and its stubs inherit the environment at start
         server.start(timeout=540)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     result: dict = {"server_ready_s": round(time.perf_counter() - started, 1)}
     grpc_url = f"{server.host}:{server.grpc_port}"
     profile = args.profile_dir / build.name if args.profile_dir else None
