@@ -163,7 +163,7 @@ def in_process(
         run_engine(engine, [ids[:8]], 8)  # warm-up
         result["c1"] = run_engine(engine, [[i] for i in ids[:3]], output_tokens)
         if profile is not None:
-            result["c1_device_ms_per_token"] = kernel_profile(engine, ids[0], profile / "c1-kernels.txt")
+            result["c1_device_per_token"] = kernel_profile(engine, ids[0], profile / "c1-kernels.txt")
         run_engine(engine, [ids], output_tokens)  # the first full batch meets new shapes
         # The third arrives over 2 s like the served requests do: its steps meet batch shapes the warm-up did
         # not (the cuDNN attention builds a graph per new shape).
@@ -185,9 +185,11 @@ def in_process(
     return result
 
 
-def kernel_profile(engine, ids: list[int], out: Path, tokens: int = 32) -> float | str:
+def kernel_profile(engine, ids: list[int], out: Path, tokens: int = 32) -> dict | str:
     """One stream of `tokens` under torch's profiler: its device kernels, heaviest first, go to `out`; returns
-    the device time per generated token (a step's GPU work, against the step's wall time in "c1")."""
+    per generated token the device's busy time and its idle time (see device_idle), against the step's wall
+    time in "c1"."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     try:
@@ -196,9 +198,30 @@ def kernel_profile(engine, ids: list[int], out: Path, tokens: int = 32) -> float
         averages = prof.key_averages()
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(averages.table(sort_by="self_device_time_total", row_limit=60))
-        return round(sum(e.self_device_time_total for e in averages) / 1000 / tokens, 2)
+        kernels = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+        return {
+            "kernels": round(len(kernels) / tokens, 1),
+            **{f"{k}_ms": round(v / 1000 / tokens, 3) for k, v in device_idle(kernels).items()},
+        }
     except Exception as exc:  # a profiler that fails must not cost the measurement
         return f"failed: {exc!r}"[:200]
+
+
+def device_idle(kernels: list[tuple[float, float]], step_gap_us: float = 100.0) -> dict[str, float]:
+    """From kernels' (start, end) in microseconds: the time the device was busy, and its idle time split at
+    `step_gap_us` into gaps inside a step (between a captured graph's kernels) and gaps between steps (the
+    host's turn: reading tokens, preparing the next step)."""
+    busy = inside = between = 0.0
+    reached = min(start for start, _ in kernels)
+    for start, end in sorted(kernels):
+        gap = start - reached
+        if gap > step_gap_us:
+            between += gap
+        elif gap > 0:
+            inside += gap
+        busy += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
+    return {"busy": busy, "idle_inside_steps": inside, "idle_between_steps": between}
 
 
 def sampling_ms(rows: int, vocab: int) -> float:

@@ -134,3 +134,38 @@ def test_cancel_frees_the_slot(engine, tokenizer):
     assert engine.running() == 0
     tokens, _ = engine.generate(GenerationRequest(ids, 4, end_id=-1), timeout=60)
     assert len(tokens) == 4
+
+
+def test_compiled_engine_matches_eager(engine, manifest, tokenizer):
+    """torch.compile of the step (EngineConfig.compile): the same tokens for greedy, banned and seeded requests,
+    with every decoder layer compiled (dynamo's default recompile limit would leave most of them eager)."""
+    import logging
+
+    limit_hits: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: limit_hits.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    compiled = PortableEngine(
+        EngineConfig(
+            manifest["model_dir"],
+            dtype=manifest["dtype"],
+            max_batch_size=4,
+            max_seq_len=512,
+            kv_cache_tokens=2048,
+            compile=True,
+        )
+    )
+    try:
+        ids = chat_ids(tokenizer, "What is the capital of France?")
+        banned = (tuple(tokenizer.encode(" Paris", add_special_tokens=False)),)
+        requests = [
+            GenerationRequest(ids, 12),
+            GenerationRequest(ids, 12, bad_words=banned),
+            GenerationRequest(ids, 12, sampling=SamplingParams(True, 0.8, 0, 0.9, 5)),
+        ]
+        for request in requests:
+            assert compiled.generate(request, timeout=600) == engine.generate(request, timeout=120)
+    finally:
+        compiled.shutdown()
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert not [m for m in limit_hits if "recompile_limit" in m]

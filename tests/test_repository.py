@@ -25,6 +25,7 @@ PLAN = BuildPlan(
         "max_batch_tokens": "64",
         "cuda_graphs": "false",
         "cudnn_attention": "false",
+        "compile": "false",
         "attention": "sdpa",
         "engine_instance_kind": "KIND_CPU",
     },
@@ -150,11 +151,11 @@ def test_batch_size_above_a_step_is_refused(templates):
         render_configs(VALUES, templates)
 
 
-@pytest.mark.parametrize("flag", ["--cuda-graphs", "--cudnn-attention"])
+@pytest.mark.parametrize("flag", ["--cuda-graphs", "--cudnn-attention", "--compile"])
 @pytest.mark.parametrize(
     ("argv", "cuda", "expected"),
     [
-        (["--device", "cuda"], True, "true"),  # on by default on CUDA
+        (["--device", "cuda", "FLAG"], True, "true"),
         (["--device", "cuda", "NO_FLAG"], True, "false"),
         (["--device", "cpu", "FLAG"], True, "false"),  # CUDA only
         (["FLAG"], False, "false"),  # auto picks the CPU here
@@ -184,6 +185,15 @@ def test_cudnn_attention_follows_cuda_graphs_unless_asked(manifest, monkeypatch,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
     assert plan.engine_values["cudnn_attention"] == expected
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], "false"), (["--compile"], "true")])
+def test_compile_is_asked_for(manifest, monkeypatch, argv, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
+    assert plan.engine_values["compile"] == expected
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,8 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     # cuDNN's attention builds a cuDNN graph per new batch shape: paid once per captured CUDA graph, but
     # on every step of a served batch without graphs, so by default it follows --cuda-graphs.
     cudnn = device == "cuda" and (graphs if args.cudnn_attention is None else args.cudnn_attention)
+    # Opt-in: faster steps in-process, but served streams at 256 were slower with it (docs/PERFORMANCE.md).
+    compiled = device == "cuda" and bool(args.compile)
     attention = portable_attention(device, args.attention)
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
@@ -130,6 +132,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "max_batch_tokens": str(args.max_batch_tokens),
             "cuda_graphs": str(graphs).lower(),
             "cudnn_attention": str(cudnn).lower(),
+            "compile": str(compiled).lower(),
             "attention": attention,
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
@@ -139,6 +142,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "max_batch_tokens": args.max_batch_tokens,
             "cuda_graphs": graphs,
             "cudnn_attention": cudnn,
+            "compile": compiled,
             "attention": attention,
         },
     )
@@ -306,6 +310,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="on CUDA, let torch use cuDNN's attention kernel (default: with --cuda-graphs): faster kernels, "
         "but a cuDNN graph is built for each new batch shape, which served batches keep meeting unless "
         "steps are captured in CUDA graphs (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        help="on CUDA, compile the engine step with torch.compile: fused kernels, a faster single stream "
+        "(H200: 112 against 95 tokens/s served), but slower served streams at 256 so far, and the server takes "
+        "one to two minutes longer to start (docs/PERFORMANCE.md)",
     )
     portable.add_argument(
         "--attention",

@@ -78,6 +78,7 @@ class EngineModel:
                 max_batch_tokens=int(params["max_batch_tokens"]),
                 cuda_graphs=device != "cpu" and flag(params.get("cuda_graphs", "false")),
                 cudnn_attention=flag(params.get("cudnn_attention", "false")),
+                compile=device != "cpu" and flag(params.get("compile", "false")),
                 attention=params.get("attention", "sdpa"),
             )
         )

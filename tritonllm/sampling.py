@@ -52,6 +52,9 @@ def uniform(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return (bits.float() + 0.5) * (1.0 / (1 << 24))
 
 
+# Left out of compilation (EngineConfig.compile): inductor's CUDA code generation fails on the cumulative sum with
+# dynamic shapes (torch 2.11), and the sort that dominates this function is one kernel either way.
+@torch.compiler.disable
 def sample(
     scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor
 ) -> torch.Tensor:
