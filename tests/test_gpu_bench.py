@@ -1,0 +1,18 @@
+"""perf/gpu_bench.py's reading of the device timeline (runs on the GPU machine; the arithmetic is checked here)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("gpu_bench", Path(__file__).parent.parent / "perf" / "gpu_bench.py")
+gpu_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_bench)
+
+
+def test_device_idle_splits_gaps_inside_and_between_steps():
+    # two steps of two overlapping kernels, a 280 us host turn between them
+    kernels = [(300.0, 310.0), (0.0, 10.0), (5.0, 12.0), (13.0, 20.0), (310.5, 320.0)]
+    assert gpu_bench.device_idle(kernels) == pytest.approx(
+        {"busy": 38.5, "idle_inside_steps": 1.5, "idle_between_steps": 280.0}
+    )
