@@ -136,6 +136,11 @@ def test_cancel_frees_the_slot(engine, tokenizer):
     assert len(tokens) == 4
 
 
+def test_async_batching_is_refused_off_cuda(manifest):
+    with pytest.raises(ValueError, match="async_batching runs on CUDA devices only"):
+        PortableEngine(EngineConfig(manifest["model_dir"], async_batching=True))
+
+
 def test_compiled_engine_matches_eager(engine, manifest, tokenizer):
     """torch.compile of the step (EngineConfig.compile): the same tokens for greedy, banned and seeded requests,
     with every decoder layer compiled (dynamo's default recompile limit would leave most of them eager)."""

@@ -134,9 +134,13 @@ class EngineConfig:
     # CUDA graphs it is built once per captured graph.
     cudnn_attention: bool = False
     # Compile the step (forward, bad words; not the sampling draw) with torch.compile: fewer, fused kernels. On an
-    # H200 with CUDA graphs: batch-1 device time per step 8.2 -> 6.5 ms, in-process 256 requests +6-27%, but
+    # H200 with CUDA graphs: batch-1 device time per step 8.2 -> 6.5 ms, in-process 256 requests +3-27%, but
     # served 256 streams -9%, and about a minute more at start (docs/PERFORMANCE.md).
     compile: bool = False
+    # transformers' asynchronous batching: the host prepares step N+1 while the device runs step N. On an H200
+    # at batch 1 it took the device's idle time between steps from ~3 ms to 0.1 ms per token
+    # (docs/PERFORMANCE.md run AA); not yet measured served.
+    async_batching: bool = False
 
 
 class PortableEngine:
@@ -147,6 +151,8 @@ class PortableEngine:
         varlen = config.attention == attention.VARLEN
         if varlen and (reason := attention.unavailable_reason(config.device)):
             raise ValueError(f"attention {attention.VARLEN!r}: {reason}")
+        if config.async_batching and not config.device.startswith("cuda"):
+            raise ValueError("async_batching runs on CUDA devices only (transformers' double-buffered steps)")
         if config.device.startswith("cuda"):
             # A process-wide setting: the engine owns its process (one per Triton model instance).
             torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
@@ -169,9 +175,8 @@ class PortableEngine:
                 use_cuda_graph=config.cuda_graphs,
                 q_padding_interval_size=config.graph_q_padding,
                 kv_padding_interval_size=config.graph_kv_padding,
-                # Async batching prepares a step before the previous one has produced its tokens; the
-                # bad-word bans and sampling positions prepared on the host need them.
-                use_async_batching=False,
+                # The processors prepare from what the host knows before the previous step's token (sampling.py).
+                use_async_batching=config.async_batching,
                 auto_switch_to_flash=False,
                 varlen_compile_config=compile_config(self.model.config) if config.compile else None,
             ),

@@ -9,7 +9,10 @@ request alone, and greedy rows are untouched, so greedy output is exactly `gener
 
 The manager keeps int32 rows of per-request arguments, prepared on the host before each step.
 Everything computed from those rows is tensor operations of fixed shape, with no host
-synchronisation, so the processing is captured in the manager's CUDA graphs.
+synchronisation, so the processing is captured in the manager's CUDA graphs. The rows use only what
+the host knows before the step's input token, which asynchronous batching is still generating when it
+prepares the step: the position a step generates (the manager's offset), and for bad words the tokens
+before the input token; the input token itself is compared on the device.
 """
 
 from __future__ import annotations
@@ -108,8 +111,8 @@ class ArgumentGroup:
         """int32 [rows, len(requests)] on the host."""
         raise NotImplementedError
 
-    def apply(self, scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
-        """args: int32 [rows, scores.size(0)]."""
+    def apply(self, scores: torch.Tensor, args: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """args: int32 [rows, scores.size(0)]; input_ids: each row's current input token, on the device."""
         raise NotImplementedError
 
 
@@ -150,7 +153,7 @@ class ArgumentGroups(ContinuousBatchingLogitsProcessorList):
     def __call__(self, input_ids, scores: torch.Tensor, logits_processor_args: torch.Tensor) -> torch.Tensor:
         for group, rows in self._spans():
             if group.active:
-                scores = group.apply(scores, logits_processor_args[rows, : scores.size(0)])
+                scores = group.apply(scores, logits_processor_args[rows, : scores.size(0)], input_ids)
         return scores
 
 
@@ -179,7 +182,7 @@ class Sampling(ArgumentGroup):
                 temperature.append(max(kwargs["temperature"], MIN_TEMPERATURE))
                 top_k.append(min(kwargs["top_k"], 2**31 - 1))
                 top_p.append(kwargs["top_p"])
-                seeds.append(step_seed(kwargs["seed"], future.state.generated_len()))
+                seeds.append(step_seed(kwargs["seed"], future.state.position_offset))
             else:
                 temperature.append(1.0)
                 top_k.append(0)
@@ -189,34 +192,48 @@ class Sampling(ArgumentGroup):
         ints = torch.tensor([top_k, seeds], dtype=torch.int32)
         return torch.stack([floats[0], ints[0], floats[1], ints[1]])
 
-    def apply(self, scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
+    def apply(self, scores: torch.Tensor, args: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         temperature, top_k, top_p, seeds = args
         return sample(scores, temperature.view(torch.float32), top_k, top_p.view(torch.float32), seeds)
 
 
 class BadWords(ArgumentGroup):
     """Bans, per request, the last token of each bad word whose other tokens were just generated.
-    One row per word a request may give (`max_words`): each bans at most one token per step."""
+
+    Two rows per word a request may give (`max_words`): the token to ban and the input token that must
+    precede it (-1: any). The host checks the word's earlier tokens against the tokens before the step's
+    input token; the input token itself is checked on the device, because with asynchronous batching the
+    host prepares a step before the previous one has produced that token.
+    """
 
     kwargs: ClassVar[dict[str, type]] = {"bad_words": tuple}
 
     def __init__(self, always: bool, max_words: int) -> None:
         super().__init__(always)
-        self.defaults = torch.full((max_words, 1), -1, dtype=torch.int32)
+        self.max_words = max_words
+        self.defaults = torch.full((2 * max_words, 1), -1, dtype=torch.int32)
 
     def prepare(self, requests: list) -> torch.Tensor:
-        banned = torch.full((self.rows, len(requests)), -1, dtype=torch.int32)
-        for row, future in enumerate(requests):
+        args = torch.full((self.rows, len(requests)), -1, dtype=torch.int32)
+        for column, future in enumerate(requests):
             words = future.state.logit_processor_kwargs.get("bad_words")
             if words:
                 state = future.state
-                context = state.initial_tokens + state.generated_tokens
-                ids = [w[-1] for w in words if len(w) == 1 or ends_with(context, w[:-1])]
-                banned[: len(ids), row] = torch.tensor(ids, dtype=torch.int32)
-        return banned
+                # The step's input token sits at position_offset - 1; it may not have reached the host yet.
+                before = (state.initial_tokens + state.generated_tokens)[: state.position_offset - 1]
+                pairs = [(w[-1], w[-2] if len(w) > 1 else -1) for w in words if ends_with(before, w[:-2])]
+                if pairs:
+                    banned, preceding = zip(*pairs, strict=True)
+                    args[: len(pairs), column] = torch.tensor(banned, dtype=torch.int32)
+                    args[self.max_words : self.max_words + len(pairs), column] = torch.tensor(
+                        preceding, dtype=torch.int32
+                    )
+        return args
 
-    def apply(self, scores: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
-        return ban(scores, args.T)
+    def apply(self, scores: torch.Tensor, args: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        banned, preceding = args[: self.max_words].T, args[self.max_words :].T
+        follows = (preceding < 0) | (preceding == input_ids.view(-1, 1))
+        return ban(scores, torch.where(follows, banned, -1))
 
 
 def request_processors(always: bool, max_words: int) -> ArgumentGroups:
