@@ -94,7 +94,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     # on every step of a served batch without graphs, so by default it follows --cuda-graphs.
     cudnn = device == "cuda" and (graphs if args.cudnn_attention is None else args.cudnn_attention)
     # Opt-in: faster steps in-process, but served streams at 256 were slower with it (docs/PERFORMANCE.md).
-    compiled = device == "cuda" and bool(args.compile)
+    compiled = device == "cuda" and args.compile
     attention = portable_attention(device, args.attention)
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
@@ -314,6 +314,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     portable.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
+        default=False,
         help="on CUDA, compile the engine step with torch.compile: fused kernels, a faster single stream "
         "(H200: 112 against 95 tokens/s served), but slower served streams at 256 so far, and the server takes "
         "one to two minutes longer to start (docs/PERFORMANCE.md)",

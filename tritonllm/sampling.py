@@ -223,11 +223,9 @@ class BadWords(ArgumentGroup):
                 before = (state.initial_tokens + state.generated_tokens)[: state.position_offset - 1]
                 pairs = [(w[-1], w[-2] if len(w) > 1 else -1) for w in words if ends_with(before, w[:-2])]
                 if pairs:
-                    banned, preceding = zip(*pairs, strict=True)
-                    args[: len(pairs), column] = torch.tensor(banned, dtype=torch.int32)
-                    args[self.max_words : self.max_words + len(pairs), column] = torch.tensor(
-                        preceding, dtype=torch.int32
-                    )
+                    banned, preceding = torch.tensor(pairs, dtype=torch.int32).T
+                    args[: len(pairs), column] = banned
+                    args[self.max_words : self.max_words + len(pairs), column] = preceding
         return args
 
     def apply(self, scores: torch.Tensor, args: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
