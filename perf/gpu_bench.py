@@ -70,7 +70,8 @@ def prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
 
 def run_engine(engine, batches: list[list[list[int]]], output_tokens: int, streaming=False, spread_s=0.0) -> dict:
     """Each batch of prompts submitted at once (or evenly over `spread_s` seconds, as a server receives them),
-    one batch after the other: output tokens/s, TTFT p50."""
+    one batch after the other: output tokens/s, TTFT p50, and the decode rate after the first token (1 / the
+    median time per output token: what a stream sees once it started)."""
     from tritonllm.engine import GenerationRequest
 
     finals, tokens = [], 0
@@ -92,9 +93,11 @@ def run_engine(engine, batches: list[list[list[int]]], output_tokens: int, strea
             done.acquire()
     elapsed = time.perf_counter() - started
     assert all(f.error is None for f in finals), [f.error for f in finals if f.error]
+    per_token = [f.time_per_output_token for f in finals if f.time_per_output_token]
     return {
         "output_tokens_per_s": round(tokens / elapsed, 1),
         "ttft_p50_ms": round(float(np.percentile([f.time_to_first_token for f in finals], 50)) * 1000, 1),
+        "decode_tokens_per_s": round(1 / float(np.percentile(per_token, 50)), 1) if per_token else None,
     }
 
 
@@ -124,6 +127,14 @@ def engine_load(engine) -> tuple[int, int]:
     """An in-process engine's requests in the batch and waiting."""
     in_batch = engine.in_batch()
     return in_batch, engine.running() - in_batch
+
+
+def captured_graphs(engine) -> int:
+    """CUDA graphs the batching manager holds: one per step shape met so far (two buffers under async batching).
+    transformers' private attributes, read for the report only."""
+    io = getattr(getattr(engine._manager, "batch_processor", None), "inputs_and_outputs", None)
+    pairs = [pair.device_io for pair in io.io_pairs] if hasattr(io, "io_pairs") else [io]
+    return sum(len(getattr(getattr(p, "graphs", None), "_storage", ())) for p in pairs)
 
 
 def engine_gauges(server) -> tuple[int, int]:
@@ -162,6 +173,7 @@ def in_process(
     try:
         run_engine(engine, [ids[:8]], 8)  # warm-up
         result["c1"] = run_engine(engine, [[i] for i in ids[:3]], output_tokens)
+        result["c1"]["graphs"] = captured_graphs(engine)
         if profile is not None:
             result["c1_device_per_token"] = kernel_profile(engine, ids[0], profile / "c1-kernels.txt")
         run_engine(engine, [ids], output_tokens)  # the first full batch meets new shapes
@@ -176,7 +188,7 @@ def in_process(
                 timeline(functools.partial(engine_load, engine), gauges),
             ):
                 result[label] = run_engine(engine, [ids], output_tokens, streaming, spread_s)
-            result[label].update(gauges)
+            result[label].update(gauges, graphs=captured_graphs(engine))
     finally:
         engine.shutdown()
         del engine
@@ -303,7 +315,7 @@ async def served(
 
     client = grpcaio.InferenceServerClient(grpc_url)
     jobs = iter(range(len(ids_text)))
-    counts, firsts = [], []
+    counts, firsts, rates = [], [], []  # rates: a stream's tokens/s after its first
     ends = [] if ends is None else ends
 
     async def one(i: int) -> None:
@@ -342,6 +354,8 @@ async def served(
                 counts.append(int(n.reshape(-1)[0]))
         firsts.append(first)
         ends.append(time.perf_counter())
+        if counts[-1] > 1 and ends[-1] - start > first:
+            rates.append((counts[-1] - 1) / (ends[-1] - start - first))
 
     async def worker():
         for i in jobs:
@@ -355,6 +369,7 @@ async def served(
         "output_tokens_per_s": round(sum(counts) / elapsed, 1),
         "requests": len(counts),
         "ttft_p50_ms": round(float(np.percentile(firsts, 50)) * 1000, 1),
+        **({"decode_tokens_per_s": round(float(np.percentile(rates, 50)), 1)} if rates else {}),
         "seconds": round(elapsed, 2),
     }
 
