@@ -26,6 +26,7 @@ PLAN = BuildPlan(
         "cuda_graphs": "false",
         "cudnn_attention": "false",
         "compile": "false",
+        "async_batching": "false",
         "attention": "sdpa",
         "engine_instance_kind": "KIND_CPU",
     },
@@ -151,7 +152,7 @@ def test_batch_size_above_a_step_is_refused(templates):
         render_configs(VALUES, templates)
 
 
-@pytest.mark.parametrize("flag", ["--cuda-graphs", "--cudnn-attention", "--compile"])
+@pytest.mark.parametrize("flag", ["--cuda-graphs", "--cudnn-attention", "--compile", "--async-batching"])
 @pytest.mark.parametrize(
     ("argv", "cuda", "expected"),
     [

@@ -95,6 +95,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     cudnn = device == "cuda" and (graphs if args.cudnn_attention is None else args.cudnn_attention)
     # Opt-in: faster steps in-process, but served streams at 256 were slower with it (docs/PERFORMANCE.md).
     compiled = device == "cuda" and args.compile
+    asynchronous = device == "cuda" and args.async_batching
     attention = portable_attention(device, args.attention)
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
@@ -133,6 +134,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "cuda_graphs": str(graphs).lower(),
             "cudnn_attention": str(cudnn).lower(),
             "compile": str(compiled).lower(),
+            "async_batching": str(asynchronous).lower(),
             "attention": attention,
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
@@ -143,6 +145,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "cuda_graphs": graphs,
             "cudnn_attention": cudnn,
             "compile": compiled,
+            "async_batching": asynchronous,
             "attention": attention,
         },
     )
@@ -318,6 +321,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="on CUDA, compile the engine step with torch.compile: fused kernels, a faster single stream "
         "(H200: 112 against 95 tokens/s served), but slower served streams at 256 so far, and the server takes "
         "one to two minutes longer to start (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--async-batching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="on CUDA, prepare each engine step on the host while the GPU runs the previous one "
+        "(transformers' asynchronous batching; docs/PERFORMANCE.md)",
     )
     portable.add_argument(
         "--attention",

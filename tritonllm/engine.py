@@ -121,11 +121,15 @@ class EngineConfig:
     # Capture each step (forward, sampling, bad words) in CUDA graphs: batch-1 decode is bound by
     # kernel launches without them. CUDA devices only.
     cuda_graphs: bool = False
-    # Graph shapes: steps are padded to multiples of these many query / KV tokens. transformers'
-    # defaults (64 / 16384) made batch-1 decode of a 7B model on an H200 compute 64 query and 16k KV
-    # tokens a step: 22 tokens/s; with 16 / 256, 89 tokens/s (docs/PERFORMANCE.md).
+    # Graph shapes: steps are padded to multiples of these many query / KV tokens (the KV count is the step's
+    # cached tokens across its requests), and each new shape is captured once. transformers' defaults
+    # (64 / 16384) made batch-1 decode of a 7B model on an H200 compute 64 query and 16k KV tokens a step
+    # under SDPA: 22 tokens/s; with 16 / 256, 89. Under varlen attention padded KV tokens are only copied,
+    # not attended, and 256 requests add 256 KV tokens a step: 256 met a new shape, and paid a capture,
+    # almost every step; 4096 captured 61 graphs where 256 captured 168, for 256 requests arriving over
+    # 2 s: 3,788 against 3,433 tokens/s, batch 1 100 against 102 (docs/PERFORMANCE.md, run CC).
     graph_q_padding: int = 16
-    graph_kv_padding: int = 256
+    graph_kv_padding: int = 4096
     # "sdpa", or "varlen" (CUDA): torch's FlashAttention over each request's own tokens (tritonllm/attention.py)
     attention: str = "sdpa"
     # Let torch's SDPA pick cuDNN's attention kernel (CUDA). It builds a cuDNN graph for every new batch

@@ -79,6 +79,7 @@ class EngineModel:
                 cuda_graphs=device != "cpu" and flag(params.get("cuda_graphs", "false")),
                 cudnn_attention=flag(params.get("cudnn_attention", "false")),
                 compile=device != "cpu" and flag(params.get("compile", "false")),
+                async_batching=device != "cpu" and flag(params.get("async_batching", "false")),
                 attention=params.get("attention", "sdpa"),
             )
         )
