@@ -476,8 +476,9 @@ def main() -> int:
     parser.add_argument("--step-timeout", type=float, default=180, help="seconds a served measurement may take")
     parser.add_argument(
         "--variants",
-        # the build's CUDA defaults
-        default='[{"cuda_graphs": false, "attention": "varlen"}, {"cuda_graphs": true, "attention": "varlen"}]',
+        # the build's CUDA defaults without and with graphs
+        default='[{"cuda_graphs": false, "attention": "varlen"}, '
+        '{"cuda_graphs": true, "attention": "varlen", "async_batching": true}]',
         help="JSON list of EngineConfig options, one in-process measurement each",
     )
     parser.add_argument(

@@ -171,21 +171,25 @@ def test_cuda_options_are_rendered_only_on_cuda(manifest, monkeypatch, flag, arg
     assert plan.engine_values[flag[2:].replace("-", "_")] == expected
 
 
+# cuDNN attention: with CUDA graphs one cuDNN graph build per captured graph, without them one per new batch
+# shape (every few steps). Async batching was measured with graphs only.
+@pytest.mark.parametrize("option", ["cudnn_attention", "async_batching"])
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        ([], "true"),  # with CUDA graphs (the default): one cuDNN graph build per captured graph
-        (["--no-cuda-graphs"], "false"),  # without them, one per new batch shape: every few steps
-        (["--no-cudnn-attention"], "false"),
-        (["--no-cuda-graphs", "--cudnn-attention"], "true"),
+        ([], "true"),  # CUDA graphs are the default on CUDA
+        (["--no-cuda-graphs"], "false"),
+        (["--no-OPTION"], "false"),
+        (["--no-cuda-graphs", "--OPTION"], "true"),
     ],
 )
-def test_cudnn_attention_follows_cuda_graphs_unless_asked(manifest, monkeypatch, argv, expected):
+def test_options_follow_cuda_graphs_unless_asked(manifest, monkeypatch, option, argv, expected):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = [a.replace("OPTION", option.replace("_", "-")) for a in argv]
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
-    assert plan.engine_values["cudnn_attention"] == expected
+    assert plan.engine_values[option] == expected
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], "false"), (["--compile"], "true")])

@@ -138,12 +138,12 @@ class EngineConfig:
     # CUDA graphs it is built once per captured graph.
     cudnn_attention: bool = False
     # Compile the step (forward, bad words; not the sampling draw) with torch.compile: fewer, fused kernels. On an
-    # H200 with CUDA graphs: batch-1 device time per step 8.2 -> 6.5 ms, in-process 256 requests +3-27%, but
-    # served 256 streams -9%, and about a minute more at start (docs/PERFORMANCE.md).
+    # H200 with CUDA graphs and async batching: batch-1 device time per step 8.2 -> 6.6 ms, served single stream
+    # 114 -> 151 tokens/s, 256 streams 5,796 -> 6,593, and a minute or two more at start (docs/PERFORMANCE.md).
     compile: bool = False
     # transformers' asynchronous batching: the host prepares step N+1 while the device runs step N. On an H200
-    # at batch 1 it took the device's idle time between steps from ~3 ms to 0.1 ms per token
-    # (docs/PERFORMANCE.md run AA); not yet measured served.
+    # at batch 1 it took the device's idle time between steps from ~3 ms to 0.1 ms per token; served, with
+    # graphs: 256 streams 5,796 against 4,294 tokens/s (docs/PERFORMANCE.md runs AA, DD, EE).
     async_batching: bool = False
 
 
