@@ -94,10 +94,13 @@ def run_engine(engine, batches: list[list[list[int]]], output_tokens: int, strea
     elapsed = time.perf_counter() - started
     assert all(f.error is None for f in finals), [f.error for f in finals if f.error]
     per_token = [f.time_per_output_token for f in finals if f.time_per_output_token]
+    firsts = [f.time_to_first_token for f in finals]
     return {
         "output_tokens_per_s": round(tokens / elapsed, 1),
-        "ttft_p50_ms": round(float(np.percentile([f.time_to_first_token for f in finals], 50)) * 1000, 1),
+        "ttft_p50_ms": round(float(np.percentile(firsts, 50)) * 1000, 1),
         "decode_tokens_per_s": round(1 / float(np.percentile(per_token, 50)), 1) if per_token else None,
+        # a few requests: each one's wait, to see which met a new step shape
+        **({"ttfts_ms": [round(t * 1000, 1) for t in firsts]} if len(firsts) <= 8 else {}),
     }
 
 
@@ -172,8 +175,9 @@ def in_process(
     result = {"start_s": round(time.perf_counter() - started, 1)}
     try:
         run_engine(engine, [ids[:8]], 8)  # warm-up
+        graphs = captured_graphs(engine)
         result["c1"] = run_engine(engine, [[i] for i in ids[:3]], output_tokens)
-        result["c1"]["graphs"] = captured_graphs(engine)
+        result["c1"]["graphs"] = f"{graphs} -> {captured_graphs(engine)}"
         if profile is not None:
             result["c1_device_per_token"] = kernel_profile(engine, ids[0], profile / "c1-kernels.txt")
         run_engine(engine, [ids], output_tokens)  # the first full batch meets new shapes
