@@ -320,7 +320,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="on CUDA, compile the engine step with torch.compile: fused kernels (H200, 7B, with async batching: "
-        "a single stream 151 against 114 tokens/s, 256 streams 6,593 against 5,796), but the server takes one to "
+        "a single stream 145-151 against 113-114 tokens/s; 256 streams -5 to +14 %%), but the server takes one to "
         "two minutes longer to start (docs/PERFORMANCE.md)",
     )
     portable.add_argument(

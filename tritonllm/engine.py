@@ -139,7 +139,7 @@ class EngineConfig:
     cudnn_attention: bool = False
     # Compile the step (forward, bad words; not the sampling draw) with torch.compile: fewer, fused kernels. On an
     # H200 with CUDA graphs and async batching: batch-1 device time per step 8.2 -> 6.6 ms, served single stream
-    # 114 -> 151 tokens/s, 256 streams 5,796 -> 6,593, and a minute or two more at start (docs/PERFORMANCE.md).
+    # 113 -> 145-151 tokens/s, 256 streams -5 to +14 %, and a minute or two more at start (docs/PERFORMANCE.md).
     compile: bool = False
     # transformers' asynchronous batching: the host prepares step N+1 while the device runs step N. On an H200
     # at batch 1 it took the device's idle time between steps from ~3 ms to 0.1 ms per token; served, with
