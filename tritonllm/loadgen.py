@@ -172,18 +172,41 @@ class Targets:
             return Record(start, time.perf_counter(), None, 0, str(exc))
         return Record(start, time.perf_counter(), None, int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
 
-    async def engine(self, i: int) -> Record:
-        import tritonclient.http as httpclient
-
+    def _token_tensors(self, i: int) -> list[tuple]:
         ids = self.token_ids[i % len(self.token_ids)]
-        tensors = [
+        return [
             ("input_ids", np.array([ids], np.int32), "INT32"),
             ("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
             ("request_output_len", np.array([[self.max_tokens]], np.int32), "INT32"),
         ]
+
+    async def engine_stream(self, i: int) -> Record:
+        """The engine model alone, streaming the token ids the ensemble's preprocessing makes."""
+        import tritonclient.grpc as grpcclient
+
+        inputs = infer_inputs(grpcclient, [*self._token_tensors(i), ("streaming", np.array([[True]]), "BOOL")])
+
+        async def requests():
+            yield {"model_name": "tensorrt_llm", "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+        start = time.perf_counter()
+        first, tokens, error = None, 0, None
+        async for result, failed in self.grpc.stream_infer(requests()):
+            if failed is not None:
+                error = failed.message()
+                continue
+            length = result.as_numpy("sequence_length")
+            if length is not None and int(length.reshape(-1)[0]) > 0:
+                first = first or time.perf_counter()
+                tokens += int(length.reshape(-1)[0])
+        return Record(start, time.perf_counter(), first, tokens, error)
+
+    async def engine(self, i: int) -> Record:
+        import tritonclient.http as httpclient
+
         start = time.perf_counter()
         try:
-            result = await self.http.infer("tensorrt_llm_bridge", infer_inputs(httpclient, tensors))
+            result = await self.http.infer("tensorrt_llm_bridge", infer_inputs(httpclient, self._token_tensors(i)))
         except Exception as exc:
             return Record(start, time.perf_counter(), None, 0, str(exc))
         return Record(start, time.perf_counter(), None, int(result.as_numpy("sequence_length").reshape(-1)[0]))
