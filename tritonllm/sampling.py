@@ -218,9 +218,9 @@ class BadWords(ArgumentGroup):
         for column, future in enumerate(requests):
             words = future.state.logit_processor_kwargs.get("bad_words")
             if words:
-                state = future.state
                 # The step's input token sits at position_offset - 1; it may not have reached the host yet.
-                before = (state.initial_tokens + state.generated_tokens)[: state.position_offset - 1]
+                longest = max(len(w) for w in words)
+                before = tokens_before(future.state, future.state.position_offset - 1, longest - 2)
                 pairs = [(w[-1], w[-2] if len(w) > 1 else -1) for w in words if ends_with(before, w[:-2])]
                 if pairs:
                     banned, preceding = torch.tensor(pairs, dtype=torch.int32).T
@@ -237,6 +237,15 @@ class BadWords(ArgumentGroup):
 def request_processors(always: bool, max_words: int) -> ArgumentGroups:
     """The engine's processors: bans first, so a sampling request draws from the tokens left to it."""
     return ArgumentGroups([BadWords(always, max_words), Sampling(always)])
+
+
+def tokens_before(state, end: int, count: int) -> list[int]:
+    """The (up to) `count` tokens before position `end` of a request's prompt and generated tokens, read
+    without joining the two lists: this runs for each request with bad words at every step."""
+    if count <= 0:
+        return []
+    start, prompt = max(0, end - count), state.initial_tokens
+    return prompt[start:end] + state.generated_tokens[max(0, start - len(prompt)) : max(0, end - len(prompt))]
 
 
 def ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:
