@@ -46,7 +46,10 @@ QWEN_7B = dict(  # Qwen2.5-7B's shape (config.json of the released model)
 )
 
 
-def make_model(out: Path, tokenizer_dir: Path):
+EQUIVALENCE_REQUESTS, EQUIVALENCE_TOKENS = 32, 48
+
+
+def make_model(out: Path, tokenizer_dir: Path, dtype: str):
     import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -54,7 +57,7 @@ def make_model(out: Path, tokenizer_dir: Path):
     config = AutoConfig.for_model(**{k: v for k, v in QWEN_7B.items() if k != "architectures"})
     config.architectures = QWEN_7B["architectures"]
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config.eos_token_id = None
     out.mkdir(parents=True, exist_ok=True)
     for f in tokenizer_dir.glob("*"):
@@ -164,7 +167,6 @@ def in_process(
         EngineConfig(
             model_dir=str(model_dir),
             device="cuda",
-            dtype="bfloat16",
             max_batch_size=len(ids),
             max_seq_len=seq_len,
             kv_cache_tokens=len(ids) * seq_len,
@@ -199,6 +201,136 @@ def in_process(
         gc.collect()
         torch.cuda.empty_cache()
     return result
+
+
+def generated(engine, requests: list, at_once: bool) -> list[list[int]]:
+    """Each request's generated tokens: all submitted at once, or one after the other."""
+    outputs: list[list[int]] = [[] for _ in requests]
+
+    def run(indices: list[int]) -> None:
+        done = threading.Semaphore(0)
+        for i in indices:
+
+            def emit(emission, i=i):
+                assert emission.error is None, emission.error
+                outputs[i].extend(emission.token_ids)
+                if emission.final:
+                    done.release()
+
+            engine.submit(requests[i], emit)
+        for _ in indices:
+            done.acquire()
+
+    for group in [list(range(len(requests)))] if at_once else [[i] for i in range(len(requests))]:
+        run(group)
+    return outputs
+
+
+def contains_word(prompt: list[int], tokens: list[int], word: tuple[int, ...]) -> bool:
+    """Whether a generated token completes `word` (its earlier tokens may lie in the prompt)."""
+    text = prompt[-(len(word) - 1) :] + tokens if len(word) > 1 else tokens
+    return any(tuple(text[j : j + len(word)]) == word for j in range(len(text) - len(word) + 1))
+
+
+def equivalence_cases(ids: list[list[int]], reference: list[list[int]], tokens: int) -> dict[str, tuple[list, bool]]:
+    """Requests whose tokens every engine setting must agree on: (requests, submitted at once). Bad words come
+    from the greedy `reference` tokens, so each ban changes the answer: a single token the answer reached at
+    its 6th token, and its 3rd and 4th tokens as a two-token word. The mixed batch interleaves greedy, seeded
+    sampling and bad words in one streaming batch, the case asynchronous batching prepares a step ahead for."""
+    from tritonllm.engine import GenerationRequest, SamplingParams
+
+    def words(r: list[int]) -> tuple[tuple[int, ...], ...]:
+        return ((r[5],), (r[2], r[3]))
+
+    def sampled(seed: int) -> SamplingParams:
+        return SamplingParams(sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=seed)
+
+    n = len(reference)
+    mixed = [
+        GenerationRequest(
+            ids[i],
+            tokens,
+            sampling=sampled(i) if i % 3 == 1 else SamplingParams(),
+            bad_words=words(reference[i]) if i % 3 == 2 else (),
+            streaming=True,
+        )
+        for i in range(n)
+    ]
+    return {
+        "greedy_c1": ([GenerationRequest(ids[i], tokens) for i in range(4)], False),
+        f"greedy_c{n}": ([GenerationRequest(ids[i], tokens) for i in range(n)], True),
+        f"bad_words_c{n}": ([GenerationRequest(ids[i], tokens, bad_words=words(reference[i])) for i in range(n)], True),
+        f"sampled_c{n}": ([GenerationRequest(ids[i], tokens, sampling=sampled(i)) for i in range(n)], True),
+        f"mixed_streaming_c{n}": (mixed, True),
+    }
+
+
+def equivalence(model_dir: Path, ids: list[list[int]], variants: list[dict], seq_len: int, reference: list) -> dict:
+    """Token-for-token agreement of engine settings on the same requests (docs/PERFORMANCE.md): for each case
+    and setting, the requests whose tokens equal the first setting's and where the others first differ, and
+    bad words found in an answer (which must be none). `reference` is plain `generate`'s greedy tokens for
+    the same prompts; greedy_c1 is compared with it too."""
+    import gc
+
+    from tritonllm.engine import EngineConfig, PortableEngine
+
+    tokens = len(reference[0])
+    cases = equivalence_cases(ids, reference, tokens)
+    first: dict[str, list[list[int]]] = {}
+    report: dict = {}
+    for options in variants:
+        engine = PortableEngine(
+            EngineConfig(
+                model_dir=str(model_dir),
+                device="cuda",
+                max_batch_size=len(reference),
+                max_seq_len=seq_len,
+                kv_cache_tokens=len(reference) * seq_len,
+                max_batch_tokens=4096,
+                **options,
+            )
+        )
+        row: dict = {}
+        try:
+            for case, (requests, at_once) in cases.items():
+                out = generated(engine, requests, at_once)
+                base = first.setdefault(case, out)
+                if case == "greedy_c1":
+                    row["greedy_c1_vs_generate"] = agreement(out, reference[: len(out)])
+                row[case] = agreement(out, base)
+                banned = sum(
+                    contains_word(r.input_ids, o, w) for r, o in zip(requests, out, strict=True) for w in r.bad_words
+                )
+                if any(r.bad_words for r in requests):
+                    row[case]["bad_words_found"] = banned
+        finally:
+            engine.shutdown()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        report[json.dumps(options, sort_keys=True)] = row
+        print(json.dumps(row), flush=True)
+    return report
+
+
+def agreement(out: list[list[int]], base: list[list[int]]) -> dict:
+    """How many answers equal `base`'s, and for the others the first token where they differ."""
+    differ = [
+        next((j for j, (a, b) in enumerate(zip(o, b_, strict=False)) if a != b), min(len(o), len(b_)))
+        for o, b_ in zip(out, base, strict=True)
+        if o != b_
+    ]
+    return {"same": f"{len(out) - len(differ)}/{len(out)}", "first_difference_at": sorted(differ)}
+
+
+def greedy_reference(model, ids: list[list[int]], tokens: int) -> list[list[int]]:
+    """Plain `generate`'s greedy tokens, one prompt at a time."""
+    out = []
+    for prompt in ids:
+        options = {"do_sample": False, "max_new_tokens": tokens, "min_new_tokens": tokens, "pad_token_id": 0}
+        result = model.generate(torch.tensor([prompt], device=model.device), **options)
+        out.append(result[0, len(prompt) :].tolist())
+    return out
 
 
 def kernel_profile(engine, ids: list[int], out: Path, tokens: int = 32) -> dict | str:
@@ -468,6 +600,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="the random model's and every engine's; float32 for --equivalence, where bfloat16's rounding makes "
+        "any change of kernel (a batch of another size) flip near-tied tokens of a random model",
+    )
     parser.add_argument("--skip-in-process", action="store_true")
     parser.add_argument("--only-in-process", action="store_true")
     parser.add_argument("--served-throughput-only", action="store_true", help="served: only the full-load run")
@@ -484,6 +622,12 @@ def main() -> int:
         default='[{"cuda_graphs": false, "attention": "varlen"}, '
         '{"cuda_graphs": true, "attention": "varlen", "async_batching": true}]',
         help="JSON list of EngineConfig options, one in-process measurement each",
+    )
+    parser.add_argument(
+        "--equivalence",
+        action="store_true",
+        help="instead of measuring speed: compare the tokens of the --variants settings (greedy, bad words, "
+        "seeded sampling, a mixed streaming batch) with each other and greedy ones with plain generate",
     )
     parser.add_argument(
         "--profile-dir",
@@ -503,7 +647,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     model_dir = args.work / "qwen7b-random"
-    model = make_model(model_dir, args.tokenizer_dir)
+    model = make_model(model_dir, args.tokenizer_dir, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
     ids = prompts(tokenizer, args.requests, args.prompt_tokens)
     report = {
@@ -515,6 +659,16 @@ def main() -> int:
     report["transformers"] = transformers.__version__
     report["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
     seq_len = args.prompt_tokens + args.output_tokens + 64
+    if args.equivalence:
+        report["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32  # float32 must mean float32 here
+        reference = greedy_reference(model, ids[:EQUIVALENCE_REQUESTS], EQUIVALENCE_TOKENS)
+        model.save_pretrained(model_dir)
+        del model
+        torch.cuda.empty_cache()
+        variants = [{"dtype": args.dtype, **options} for options in json.loads(args.variants)]
+        report["equivalence"] = equivalence(model_dir, ids, variants, seq_len, reference)
+        print(json.dumps(report), flush=True)
+        return 0
     if not args.skip_in_process:
         report["generate_batch_1"] = round(generate_batch_1(model, ids[0], 64), 1)
         try:
@@ -532,6 +686,7 @@ def main() -> int:
             key = "in_process " + json.dumps(options, sort_keys=True)
             try:
                 profile = args.profile_dir / f"in_process{n}" if args.profile_dir else None
+                options = {"dtype": args.dtype, **options}
                 report[key] = in_process(model_dir, ids, args.output_tokens, options, seq_len, profile)
             except Exception as exc:  # one failing variant must not cost the others
                 report[key] = f"failed: {exc!r}"[:300]
@@ -566,7 +721,7 @@ def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: lis
             "--device",
             "cuda",
             "--dtype",
-            "bfloat16",
+            args.dtype,
             "--max-batch-size",
             str(args.requests),
             "--max-queue-size",
