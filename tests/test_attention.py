@@ -100,7 +100,7 @@ def test_batched_engine_on_varlen_equals_sdpa(manifest, tokenizer, monkeypatch):
         return reference_kernel(*args)
 
     monkeypatch.setattr(attention, "_kernel", counted)
-    monkeypatch.setattr(attention, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(attention, "unavailable_reason", lambda device, dtype: None)
     prompts = [tokenizer.encode(f"List {n} fruits, one per line:") for n in range(2, 8)]
     results = {}
     for name in ("sdpa", VARLEN):

@@ -207,6 +207,7 @@ def test_compile_is_asked_for(manifest, monkeypatch, argv, expected):
         (["--device", "cuda"], True, "varlen"),  # auto: per-request attention where it runs
         (["--device", "cuda", "--attention", "sdpa"], True, "sdpa"),
         ([], False, "sdpa"),  # auto picks the CPU here, where the FlashAttention kernel does not run
+        (["--device", "cuda", "--dtype", "float32"], True, "sdpa"),  # FlashAttention takes 16-bit types only
     ],
 )
 def test_attention_is_varlen_on_cuda_unless_asked(manifest, monkeypatch, argv, cuda, expected):
@@ -220,6 +221,15 @@ def test_attention_is_varlen_on_cuda_unless_asked(manifest, monkeypatch, argv, c
 def test_varlen_attention_on_cpu_is_refused_with_what_to_do(manifest):
     with pytest.raises(BuildError, match=r"--attention varlen: .*use --attention sdpa on CPU"):
         plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cpu", "--attention", "varlen"]))
+
+
+def test_varlen_attention_in_float32_is_refused_with_what_to_do(manifest, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = ["--device", "cuda", "--dtype", "float32", "--attention", "varlen"]
+    with pytest.raises(BuildError, match=r"--attention varlen: .*bfloat16 or float16 only.*not float32"):
+        plan_portable(Path(manifest["model_dir"]), parse_args(argv))
 
 
 def test_python_backend_threads_cover_every_admitted_request(tmp_path):

@@ -42,10 +42,12 @@ def _varlen_attn() -> tuple[Callable, dict] | None:
     return varlen_attn, options
 
 
-def unavailable_reason(device: str) -> str | None:
-    """Why `NAME` cannot run on `device` here, or None when it can."""
+def unavailable_reason(device: str, dtype: str = "bfloat16") -> str | None:
+    """Why `NAME` cannot run on `device` with weights of `dtype` here, or None when it can."""
     if not device.startswith("cuda"):
         return "varlen attention runs on CUDA GPUs only (FlashAttention kernels); use --attention sdpa on CPU"
+    if dtype not in ("bfloat16", "float16"):
+        return f"varlen attention takes bfloat16 or float16 only (FlashAttention), not {dtype}; use --attention sdpa"
     if _varlen_attn() is None:
         return (
             f"torch {torch.__version__} lacks torch.nn.attention.varlen.varlen_attn with scale and window "

@@ -97,7 +97,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     compiled = device == "cuda" and args.compile
     # The host prepares step N+1 while the GPU runs step N; measured with graphs (docs/PERFORMANCE.md).
     asynchronous = device == "cuda" and (graphs if args.async_batching is None else args.async_batching)
-    attention = portable_attention(device, args.attention)
+    attention = portable_attention(device, dtype, args.attention)
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
     model_max = getattr(text_config, "max_position_embeddings", None) or args.max_seq_len
@@ -152,11 +152,12 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     )
 
 
-def portable_attention(device: str, asked: str) -> str:
-    """The engine's attention: varlen (per-request FlashAttention) on CUDA where torch has it, else SDPA."""
+def portable_attention(device: str, dtype: str, asked: str) -> str:
+    """The engine's attention: varlen (per-request FlashAttention) on CUDA in 16-bit types where torch has it,
+    else SDPA."""
     from tritonllm.attention import VARLEN, unavailable_reason
 
-    reason = unavailable_reason(device)
+    reason = unavailable_reason(device, dtype)
     if asked == "auto":
         return "sdpa" if reason else VARLEN
     if asked == VARLEN and reason:

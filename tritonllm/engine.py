@@ -153,7 +153,7 @@ class PortableEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         varlen = config.attention == attention.VARLEN
-        if varlen and (reason := attention.unavailable_reason(config.device)):
+        if varlen and (reason := attention.unavailable_reason(config.device, config.dtype)):
             raise ValueError(f"attention {attention.VARLEN!r}: {reason}")
         if config.async_batching and not config.device.startswith("cuda"):
             raise ValueError("async_batching runs on CUDA devices only (transformers' double-buffered steps)")
