@@ -16,3 +16,14 @@ def test_device_idle_splits_gaps_inside_and_between_steps():
     assert gpu_bench.device_idle(kernels) == pytest.approx(
         {"busy": 38.5, "idle_inside_steps": 1.5, "idle_between_steps": 280.0}
     )
+
+
+def test_equivalence_finds_bad_words_across_the_prompt_and_where_answers_part():
+    assert gpu_bench.contains_word([1, 2, 3], [4, 5], (3, 4))  # its first token is the prompt's last
+    assert not gpu_bench.contains_word([1, 2, 3], [4, 5], (2, 4))
+    assert gpu_bench.contains_word([1], [5, 6], (6,))
+    assert not gpu_bench.contains_word([6], [5], (6,))  # a prompt token is not generated
+    assert gpu_bench.agreement([[1, 2, 3], [1, 2], [7]], [[1, 2, 3], [1, 2, 4], [8]]) == {
+        "same": "1/3",
+        "first_difference_at": [0, 2],  # a shorter answer differs where it ends
+    }

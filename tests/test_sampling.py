@@ -5,13 +5,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 
 from tritonllm.sampling import (
     GREEDY,
     ArgumentGroups,
     BadWords,
+    ProcessorKeyedGraphs,
     Sampling,
     ban,
+    key_graphs_by_processors,
     request_processors,
     sample,
     step_seed,
@@ -120,7 +123,7 @@ def request(generated=(), pending=False, **kwargs):
 
 
 def test_kwargs_are_checked_against_every_group():
-    plist = ArgumentGroups([Sampling(False), BadWords(False, 2)])
+    plist = ArgumentGroups([Sampling(), BadWords(2)])
     plist.check_kwargs({"sample": True, "seed": 3, "bad_words": ((1,),)})
     with pytest.raises(TypeError):
         plist.check_kwargs({"top_k": "5"})
@@ -140,20 +143,18 @@ def run(groups, requests, scores, input_ids=None):
     return plist(torch.tensor(input_ids), scores, args[:, : len(requests)])
 
 
-@pytest.mark.parametrize("always", [False, True])
-def test_argument_rows_carry_each_request_to_its_row(always):
+def test_argument_rows_carry_each_request_to_its_row():
     scores = LOGITS.repeat(3, 1)
     kwargs = {"sample": True, "temperature": 1.0, "top_k": 1, "top_p": 1.0, "seed": 5}
     requests = [request(), request(**{**kwargs, "top_k": 0}), request(**kwargs)]
-    out = run([Sampling(always), BadWords(always, 4)], requests, scores.clone())
+    out = run([Sampling(), BadWords(4)], requests, scores.clone())
     assert torch.equal(out[0], scores[0])
     assert torch.isneginf(out[1]).sum() == 3
     assert out[2].argmax() == 1 and torch.isneginf(out[2]).sum() == 3
 
 
-@pytest.mark.parametrize("always", [False, True])
-def test_a_sampling_request_never_draws_a_banned_token(always):
-    plist = request_processors(always, max_words=2)
+def test_a_sampling_request_never_draws_a_banned_token():
+    plist = request_processors(max_words=2)
     storage = torch.zeros(plist.tensors_required, 8, dtype=torch.int32)
     plist.fill_defaults(storage[:, :1])
     kwargs = {"sample": True, "temperature": 1.0, "top_k": 1, "top_p": 1.0, "seed": 5, "bad_words": ((1,),)}
@@ -162,34 +163,84 @@ def test_a_sampling_request_never_draws_a_banned_token(always):
     assert out[0].argmax() == 3 and torch.isneginf(out[0]).sum() == 3  # the most likely token left
 
 
-def test_eager_steps_without_sampling_or_bans_skip_the_work():
+def test_steps_without_sampling_or_bans_skip_the_work():
     scores = torch.randn(2, 10)
-    out = run([Sampling(False), BadWords(False, 2)], [request(), request()], scores)
+    out = run([Sampling(), BadWords(2)], [request(), request()], scores)
     assert out is scores
 
 
 def test_bad_words_ban_the_last_token_after_the_rest_of_the_word():
     words = ((4,), (7, 2), (5, 6, 1))  # ban 4 always; 2 right after 7; 1 right after 5 6
     requests = [request(g, bad_words=words) for g in [(7,), (3,), (5, 6), (6, 6)]]
-    out = run([BadWords(False, 3)], requests, torch.zeros(4, 10))
+    out = run([BadWords(3)], requests, torch.zeros(4, 10))
     assert [torch.isneginf(row).nonzero().flatten().tolist() for row in out] == [[2, 4], [4], [1, 4], [4]]
 
 
-@pytest.mark.parametrize("always", [False, True])
-def test_bad_words_check_an_input_token_the_host_has_not_seen(always):
+def test_bad_words_check_an_input_token_the_host_has_not_seen():
     """Asynchronous batching prepares a step while the previous one generates its input token: the host knows
     the tokens before it, the device checks the token itself."""
     words = ((7, 2), (5, 6, 1))
     requests = [request((3,), pending=True, bad_words=words), request((5,), pending=True, bad_words=words)]
     banned = lambda out: [torch.isneginf(row).nonzero().flatten().tolist() for row in out]  # noqa: E731
-    assert banned(run([BadWords(always, 2)], requests, torch.zeros(2, 10), input_ids=[7, 6])) == [[2], [1]]
-    assert banned(run([BadWords(always, 2)], requests, torch.zeros(2, 10), input_ids=[3, 5])) == [[], []]
+    assert banned(run([BadWords(2)], requests, torch.zeros(2, 10), input_ids=[7, 6])) == [[2], [1]]
+    assert banned(run([BadWords(2)], requests, torch.zeros(2, 10), input_ids=[3, 5])) == [[], []]
 
 
 def test_sampling_seeds_follow_the_generated_position_not_the_host_state():
     """A step's seed comes from the position it generates, known on the host before the previous token is."""
     kwargs = {"sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 5}
-    synchronous = Sampling(False).prepare([request((1, 2), **kwargs)])
-    asynchronous = Sampling(False).prepare([request((1,), pending=True, **kwargs)])
+    synchronous = Sampling().prepare([request((1, 2), **kwargs)])
+    asynchronous = Sampling().prepare([request((1,), pending=True, **kwargs)])
     assert torch.equal(synchronous, asynchronous)
     assert synchronous[3, 0] == step_seed(5, 4)
+
+
+class FakeGraph:
+    def reset(self) -> None:  # what transformers' graph store calls on each graph when it goes
+        pass
+
+
+def prepared(plist, requests):
+    storage = torch.zeros(plist.tensors_required, 8, dtype=torch.int32)
+    plist.fill_defaults(storage[:, :1])
+    plist.prepare_tensor_args(requests, storage)
+
+
+def test_graph_keys_tell_apart_the_processing_a_step_runs():
+    """A CUDA graph captured for a greedy step has no sampling in it: a step that samples must get its own."""
+    plist = request_processors(max_words=2)
+    keys = []
+    for requests in (
+        [request(), request()],
+        [request(), request(sample=True, temperature=1.0, top_k=0, top_p=1.0, seed=1)],
+        [request(bad_words=((4,),))],
+        [request(bad_words=((4,),), sample=True, temperature=1.0, top_k=0, top_p=1.0, seed=1)],
+    ):
+        prepared(plist, requests)
+        keys.append(plist.graph_key((16, 4096, 256)))
+    assert keys[0] == (16, 4096, 256)  # greedy steps keep the manager's key, as its warm-up captured them
+    assert len(set(keys)) == 4
+
+
+def test_graph_store_keeps_warm_up_graphs_and_separates_sampling_steps():
+    plist = request_processors(max_words=2)
+    warm = CudaGraphBuffer()
+    warm.set_graph((16,), greedy := FakeGraph())
+    io = SimpleNamespace(graphs=warm)
+    key_graphs_by_processors(io, plist)
+    assert isinstance(io.graphs, ProcessorKeyedGraphs) and not warm._storage
+    prepared(plist, [request(sample=True, temperature=1.0, top_k=0, top_p=1.0, seed=1)])
+    assert io.graphs.get_graph((16,)) is None  # a new capture, not the greedy graph
+    io.graphs.set_graph((16,), sampling := FakeGraph())
+    prepared(plist, [request()])
+    assert io.graphs.get_graph((16,)) is greedy
+    prepared(plist, [request(sample=True, temperature=0.5, top_k=3, top_p=0.9, seed=2)])
+    assert io.graphs.get_graph((16,)) is sampling
+
+
+def test_both_buffer_sets_of_asynchronous_batching_are_keyed():
+    pairs = [SimpleNamespace(device_io=SimpleNamespace(graphs=CudaGraphBuffer())) for _ in range(2)]
+    key_graphs_by_processors(SimpleNamespace(io_pairs=pairs), request_processors(max_words=2))
+    assert all(isinstance(pair.device_io.graphs, ProcessorKeyedGraphs) for pair in pairs)
+    with pytest.raises(RuntimeError, match="no CUDA graph store"):
+        key_graphs_by_processors(SimpleNamespace(), request_processors(max_words=2))

@@ -23,7 +23,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from tritonllm import attention
-from tritonllm.sampling import ends_with, request_processors
+from tritonllm.sampling import ends_with, key_graphs_by_processors, request_processors
 from tritonllm.tokenization import MAX_WORDS
 
 log = logging.getLogger(__name__)
@@ -137,9 +137,10 @@ class EngineConfig:
     # at 1,393 tokens/s with it and 1,733 without, batch 1 at 19.6 and 31.6 (docs/PERFORMANCE.md). Under
     # CUDA graphs it is built once per captured graph.
     cudnn_attention: bool = False
-    # Compile the step (forward, bad words; not the sampling draw) with torch.compile: fewer, fused kernels. On an
-    # H200 with CUDA graphs and async batching: batch-1 device time per step 8.2 -> 6.6 ms, served single stream
-    # 113 -> 145-151 tokens/s, 256 streams -5 to +14 %, and a minute or two more at start (docs/PERFORMANCE.md).
+    # Compile the step's forward (not the per-request sampling and bad words) with torch.compile: fewer, fused
+    # kernels. On an H200 with CUDA graphs and async batching: batch-1 device time per step 8.2 -> 6.6 ms, served
+    # single stream 113 -> 145-151 tokens/s, 256 streams -5 to +14 %, and a minute or two more at start
+    # (docs/PERFORMANCE.md).
     compile: bool = False
     # transformers' asynchronous batching: the host prepares step N+1 while the device runs step N. On an H200
     # at batch 1 it took the device's idle time between steps from ~3 ms to 0.1 ms per token; served, with
@@ -188,12 +189,13 @@ class PortableEngine:
         if varlen:
             # After the manager checked the implementation, before it allocates its step buffers (attention.py).
             self.model.set_attn_implementation(attention.register())
-        graphs = config.cuda_graphs
-        self._manager.logit_processor = request_processors(always=graphs, max_words=MAX_WORDS)
-        if graphs and hasattr(self._manager, "warmup"):
+        processors = request_processors(max_words=MAX_WORDS)
+        self._manager.logit_processor = processors
+        if config.cuda_graphs:
             # Capture the largest graphs now, which sizes their shared memory pool, rather than in the first
             # requests' latency; smaller shapes are captured when first met.
             self._manager.warmup()
+            key_graphs_by_processors(self._manager.batch_processor.inputs_and_outputs, processors)
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()

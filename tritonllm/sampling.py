@@ -9,7 +9,9 @@ request alone, and greedy rows are untouched, so greedy output is exactly `gener
 
 The manager keeps int32 rows of per-request arguments, prepared on the host before each step.
 Everything computed from those rows is tensor operations of fixed shape, with no host
-synchronisation, so the processing is captured in the manager's CUDA graphs. The rows use only what
+synchronisation, so the processing is captured in the manager's CUDA graphs. A step runs only the
+groups (bad words, sampling) some request in it uses, and under CUDA graphs the groups a step runs are
+part of its graph's key: a greedy step does not pay for sorting the vocabulary. The rows use only what
 the host knows before the step's input token, which asynchronous batching is still generating when it
 prepares the step: the position a step generates (the manager's offset), and for bad words the tokens
 before the input token; the input token itself is compared on the device.
@@ -23,6 +25,7 @@ from typing import ClassVar
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
+from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
@@ -65,7 +68,7 @@ def sample(
     they are. scores [B, V] float32; temperature, top_p [B] float32; top_k [B] int (0 = off); seeds [B] int.
 
     The draw inverts the kept tokens' cumulative distribution at one uniform number per row, so beyond the
-    sort it costs a few passes over the scores (CUDA graphs pay it for every row, sampling or not)."""
+    sort it costs a few passes over the scores (under CUDA graphs, for every row of a step that samples)."""
     vocab = scores.size(-1)
     values, order = (scores / temperature.unsqueeze(-1)).sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=scores.device).unsqueeze(0)
@@ -91,17 +94,13 @@ def ban(scores: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
 class ArgumentGroup:
     """Per-request values on several argument rows, and the tensor function that uses them.
 
-    `prepare` fills the rows on the host before each step; `apply` runs on the step's scores. In
-    eager mode a step whose rows all hold their defaults skips both the copy and `apply`; with
-    `always` (CUDA graphs, whose captured work cannot depend on the batch) they run every step.
+    `prepare` fills the rows on the host before each step; `apply` runs on the step's scores. A step
+    whose rows all hold their defaults (no request uses the group) skips both the copy and `apply`.
     """
 
     kwargs: ClassVar[dict[str, type]]
     defaults: torch.Tensor  # int32 [rows, 1]: each row's default bit pattern
-
-    def __init__(self, always: bool) -> None:
-        self.always = always
-        self.active = always
+    active = False  # whether the step prepared last uses the group
 
     @property
     def rows(self) -> int:
@@ -145,11 +144,20 @@ class ArgumentGroups(ContinuousBatchingLogitsProcessorList):
         requests = [r for r in requests_in_batch if r.has_new_token]  # processors see new tokens only
         for group, rows in self._spans():
             values = group.prepare(requests)
-            group.active = group.always or bool(values.ne(group.defaults).any())
+            group.active = bool(values.ne(group.defaults).any())
             if group.active:
                 arg_storage[rows, : len(requests)] = values.to(arg_storage.device)
         return arg_storage
 
+    def graph_key(self, key: tuple) -> tuple:
+        """The CUDA graph key of a step with shape `key`: the processing captured differs with the groups the
+        step uses. A step that uses none keeps the manager's own key (its warm-up captures stay valid)."""
+        used = tuple(group.active for group in self.groups)
+        return (key, used) if any(used) else key
+
+    # Outside compilation (EngineConfig.compile): the groups a step runs are read from the host each step, which
+    # the compiler would guard on, recompiling the whole step the first time a request samples.
+    @torch.compiler.disable
     def __call__(self, input_ids, scores: torch.Tensor, logits_processor_args: torch.Tensor) -> torch.Tensor:
         for group, rows in self._spans():
             if group.active:
@@ -208,8 +216,7 @@ class BadWords(ArgumentGroup):
 
     kwargs: ClassVar[dict[str, type]] = {"bad_words": tuple}
 
-    def __init__(self, always: bool, max_words: int) -> None:
-        super().__init__(always)
+    def __init__(self, max_words: int) -> None:
         self.max_words = max_words
         self.defaults = torch.full((2 * max_words, 1), -1, dtype=torch.int32)
 
@@ -234,9 +241,35 @@ class BadWords(ArgumentGroup):
         return ban(scores, torch.where(follows, banned, -1))
 
 
-def request_processors(always: bool, max_words: int) -> ArgumentGroups:
+def request_processors(max_words: int) -> ArgumentGroups:
     """The engine's processors: bans first, so a sampling request draws from the tokens left to it."""
-    return ArgumentGroups([BadWords(always, max_words), Sampling(always)])
+    return ArgumentGroups([BadWords(max_words), Sampling()])
+
+
+class ProcessorKeyedGraphs(CudaGraphBuffer):
+    """transformers' CUDA graph store, keyed also by the processor groups a step uses (ArgumentGroups.graph_key)."""
+
+    def __init__(self, graphs: CudaGraphBuffer, processors: ArgumentGroups) -> None:
+        super().__init__()
+        self._storage, graphs._storage = graphs._storage, {}  # the graphs captured so far (warm-up) move here
+        self.processors = processors
+
+    def get_graph(self, key: tuple) -> torch.cuda.CUDAGraph | None:
+        return super().get_graph(self.processors.graph_key(key))
+
+    def set_graph(self, key: tuple, graph: torch.cuda.CUDAGraph) -> None:
+        super().set_graph(self.processors.graph_key(key), graph)
+
+
+def key_graphs_by_processors(inputs_and_outputs, processors: ArgumentGroups) -> None:
+    """Swaps the graph store of each of the batching manager's step buffers (two under asynchronous batching)
+    for a ProcessorKeyedGraphs. Without it a step that samples could replay a greedy step's graph."""
+    pairs = getattr(inputs_and_outputs, "io_pairs", None)
+    holders = [pair.device_io for pair in pairs] if pairs else [inputs_and_outputs]
+    for io in holders:
+        if not isinstance(getattr(io, "graphs", None), CudaGraphBuffer):
+            raise RuntimeError(f"transformers' step buffers changed: {type(io).__name__} has no CUDA graph store")
+        io.graphs = ProcessorKeyedGraphs(io.graphs, processors)
 
 
 def tokens_before(state, end: int, count: int) -> list[int]:
