@@ -2,9 +2,11 @@
 
 A decoupled step makes an ensemble decoupled, and a stateless postprocessing step cannot
 detokenize a stream correctly; so this decoupled model runs the pipeline itself, per request:
-`preprocessing` (BLS) -> `tensorrt_llm` with `streaming` (BLS, decoupled) -> a `TextStream` that
+`preprocessing` -> `tensorrt_llm` with `streaming` (BLS, decoupled) -> a `TextStream` that
 holds the request's decode state. The first two steps are wired exactly as in the `ensemble`
-config, read at load time, so the two entry points cannot drift apart.
+config, read at load time, so the two entry points cannot drift apart. The preprocessing step runs
+here, as the preprocessing model's own code with its config's parameters: a BLS round trip to that
+model cost 2.6 ms of the first token's wait on 2 CPU cores (docs/PERFORMANCE.md).
 
 Each request runs on a worker thread (`execute` returns at once) that only queues its text; one
 `Outbox` thread sends it, merging a stream's deltas that queued up while it was busy, and asks the
@@ -30,7 +32,7 @@ from tritonllm.detokenization import Detokenizer, finish_reason
 from tritonllm.errors import InputError
 from tritonllm.outbox import Outbox
 from tritonllm.repository import read_config
-from tritonllm.text_models import flag
+from tritonllm.text_models import flag, preprocessor
 from tritonllm.text_stream import TextStream
 from tritonllm.tokenization import as_text, scalar
 from tritonllm.triton_glue import (
@@ -74,6 +76,8 @@ class StreamingModel:
         repository = Path(args["model_repository"]).parent
         ensemble = read_config(repository / params["ensemble_model_name"] / "config.pbtxt")
         self.preprocess_step, self.engine_step = ensemble.ensemble_scheduling.step[:2]
+        preprocessing = read_config(repository / self.preprocess_step.model_name / "config.pbtxt")
+        self.preprocessor = preprocessor({k: v.string_value for k, v in preprocessing.parameters.items()})
         self.engine_model = params["engine_model_name"]
         tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
         self.detokenizer = Detokenizer(tokenizer, flag(params["skip_special_tokens"]))
@@ -169,17 +173,11 @@ class StreamingModel:
     def _preprocess(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The ensemble's first step; returns its outputs under their ensemble tensor names."""
         step = self.preprocess_step
-        inputs = [
-            pb_utils.Tensor(key, arrays[name])
-            for key, name in step.input_map.items()
-            if name in arrays and key != "STREAM"
-        ]
-        request = pb_utils.InferenceRequest(
-            model_name=step.model_name, inputs=inputs, requested_output_names=list(step.output_map)
-        )
-        response = request.exec()
-        raise_if_error(response)
-        return {step.output_map[t.name()]: t.as_numpy() for t in response.output_tensors()}
+        inputs = {key: arrays[name] for key, name in step.input_map.items() if name in arrays and key != "STREAM"}
+        (result,) = self.preprocessor.process([inputs])
+        if isinstance(result, Exception):
+            raise result
+        return {step.output_map[name]: array for name, array in result.items() if name in step.output_map}
 
     def _run_engine(self, tensors: dict[str, np.ndarray], stream: TextStream, state: _Request, streaming: bool) -> str:
         """Stream the engine's tokens through `stream`; queue the deltas when `streaming`, else return the text."""

@@ -13,12 +13,16 @@ def flag(value: str) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
+def preprocessor(params: dict[str, str]) -> Preprocessor:
+    """The preprocessing model's step from its config's parameters (tensorrt_llm_bls runs the same one)."""
+    tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
+    limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
+    return Preprocessor(tokenizer, limits, flag(params["add_special_tokens"]))
+
+
 class PreprocessingModel:
     def initialize(self, args: dict) -> None:
-        params = parameters(model_config(args))
-        tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
-        limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
-        self.preprocessor = Preprocessor(tokenizer, limits, flag(params["add_special_tokens"]))
+        self.preprocessor = preprocessor(parameters(model_config(args)))
 
     def execute(self, requests: list) -> list:
         return run_batch(requests, self.preprocessor.process)
