@@ -158,24 +158,9 @@ def in_process(
     model_dir: Path, ids: list[list[int]], output_tokens: int, options: dict, seq_len: int, profile: Path | None
 ) -> dict:
     """The portable engine in this process with EngineConfig `options`: 3 single streams, then all requests."""
-    import gc
-
-    from tritonllm.engine import EngineConfig, PortableEngine
-
     started = time.perf_counter()
-    engine = PortableEngine(
-        EngineConfig(
-            model_dir=str(model_dir),
-            device="cuda",
-            max_batch_size=len(ids),
-            max_seq_len=seq_len,
-            kv_cache_tokens=len(ids) * seq_len,
-            max_batch_tokens=4096,
-            **options,
-        )
-    )
-    result = {"start_s": round(time.perf_counter() - started, 1)}
-    try:
+    with cuda_engine(model_dir, len(ids), seq_len, options) as engine:
+        result = {"start_s": round(time.perf_counter() - started, 1)}
         run_engine(engine, [ids[:8]], 8)  # warm-up
         graphs = captured_graphs(engine)
         result["c1"] = run_engine(engine, [[i] for i in ids[:3]], output_tokens)
@@ -195,12 +180,33 @@ def in_process(
             ):
                 result[label] = run_engine(engine, [ids], output_tokens, streaming, spread_s)
             result[label].update(gauges, graphs=captured_graphs(engine))
+    return result
+
+
+@contextlib.contextmanager
+def cuda_engine(model_dir: Path, batch: int, seq_len: int, options: dict):
+    """A PortableEngine on the GPU for `batch` requests of up to `seq_len` tokens, shut down after the block.
+    The memory of engines shut down before (cycles through their threads keep them alive) is returned first."""
+    import gc
+
+    from tritonllm.engine import EngineConfig, PortableEngine
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    config = EngineConfig(
+        model_dir=str(model_dir),
+        device="cuda",
+        max_batch_size=batch,
+        max_seq_len=seq_len,
+        kv_cache_tokens=batch * seq_len,
+        max_batch_tokens=4096,
+        **options,
+    )
+    engine = PortableEngine(config)
+    try:
+        yield engine
     finally:
         engine.shutdown()
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
-    return result
 
 
 def generated(engine, requests: list, at_once: bool) -> list[list[int]]:
@@ -270,28 +276,13 @@ def equivalence(model_dir: Path, ids: list[list[int]], variants: list[dict], seq
     and setting, the requests whose tokens equal the first setting's and where the others first differ, and
     bad words found in an answer (which must be none). `reference` is plain `generate`'s greedy tokens for
     the same prompts; greedy_c1 is compared with it too."""
-    import gc
-
-    from tritonllm.engine import EngineConfig, PortableEngine
-
     tokens = len(reference[0])
     cases = equivalence_cases(ids, reference, tokens)
     first: dict[str, list[list[int]]] = {}
     report: dict = {}
     for options in variants:
-        engine = PortableEngine(
-            EngineConfig(
-                model_dir=str(model_dir),
-                device="cuda",
-                max_batch_size=len(reference),
-                max_seq_len=seq_len,
-                kv_cache_tokens=len(reference) * seq_len,
-                max_batch_tokens=4096,
-                **options,
-            )
-        )
         row: dict = {}
-        try:
+        with cuda_engine(model_dir, len(reference), seq_len, options) as engine:
             for case, (requests, at_once) in cases.items():
                 out = generated(engine, requests, at_once)
                 base = first.setdefault(case, out)
@@ -303,11 +294,6 @@ def equivalence(model_dir: Path, ids: list[list[int]], variants: list[dict], seq
                 )
                 if any(r.bad_words for r in requests):
                     row[case]["bad_words_found"] = banned
-        finally:
-            engine.shutdown()
-            del engine
-            gc.collect()
-            torch.cuda.empty_cache()
         report[json.dumps(options, sort_keys=True)] = row
         print(json.dumps(row), flush=True)
     return report
