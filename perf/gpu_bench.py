@@ -78,22 +78,18 @@ def run_engine(engine, batches: list[list[list[int]]], output_tokens: int, strea
     from tritonllm.engine import GenerationRequest
 
     finals, tokens = [], 0
+
+    def record(_: int, emission) -> None:
+        nonlocal tokens
+        tokens += len(emission.token_ids)
+        if emission.final:
+            finals.append(emission)
+
     started = time.perf_counter()
     for batch in batches:
-        done = threading.Semaphore(0)
-
-        def emit(emission, done=done):
-            nonlocal tokens
-            tokens += len(emission.token_ids)
-            if emission.final:
-                finals.append(emission)
-                done.release()
-
-        for ids in batch:
-            engine.submit(GenerationRequest(ids, output_tokens, streaming=streaming), emit)
-            time.sleep(spread_s / len(batch))
-        for _ in batch:
-            done.acquire()
+        complete(
+            engine, [GenerationRequest(ids, output_tokens, streaming=streaming) for ids in batch], record, spread_s
+        )
     elapsed = time.perf_counter() - started
     assert all(f.error is None for f in finals), [f.error for f in finals if f.error]
     per_token = [f.time_per_output_token for f in finals if f.time_per_output_token]
@@ -209,26 +205,36 @@ def cuda_engine(model_dir: Path, batch: int, seq_len: int, options: dict):
         engine.shutdown()
 
 
+def complete(engine, requests: list, on_emission, spread_s: float = 0.0) -> None:
+    """Submit `requests` (evenly over `spread_s` seconds) and wait for each one's final emission;
+    `on_emission(index, emission)` runs on the engine's thread."""
+    done = threading.Semaphore(0)
+    for i, request in enumerate(requests):
+
+        def emit(emission, i=i) -> None:
+            on_emission(i, emission)
+            if emission.final:
+                done.release()
+
+        engine.submit(request, emit)
+        time.sleep(spread_s / len(requests))
+    for _ in requests:
+        done.acquire()
+
+
 def generated(engine, requests: list, at_once: bool) -> list[list[int]]:
     """Each request's generated tokens: all submitted at once, or one after the other."""
     outputs: list[list[int]] = [[] for _ in requests]
 
-    def run(indices: list[int]) -> None:
-        done = threading.Semaphore(0)
-        for i in indices:
+    def collect(i: int, emission) -> None:
+        assert emission.error is None, emission.error
+        outputs[i].extend(emission.token_ids)
 
-            def emit(emission, i=i):
-                assert emission.error is None, emission.error
-                outputs[i].extend(emission.token_ids)
-                if emission.final:
-                    done.release()
-
-            engine.submit(requests[i], emit)
-        for _ in indices:
-            done.acquire()
-
-    for group in [list(range(len(requests)))] if at_once else [[i] for i in range(len(requests))]:
-        run(group)
+    if at_once:
+        complete(engine, requests, collect)
+    else:
+        for i, request in enumerate(requests):
+            complete(engine, [request], lambda _, emission, i=i: collect(i, emission))
     return outputs
 
 
@@ -289,11 +295,12 @@ def equivalence(model_dir: Path, ids: list[list[int]], variants: list[dict], seq
                 if case == "greedy_c1":
                     row["greedy_c1_vs_generate"] = agreement(out, reference[: len(out)])
                 row[case] = agreement(out, base)
-                banned = sum(
-                    contains_word(r.input_ids, o, w) for r, o in zip(requests, out, strict=True) for w in r.bad_words
-                )
                 if any(r.bad_words for r in requests):
-                    row[case]["bad_words_found"] = banned
+                    row[case]["bad_words_found"] = sum(
+                        contains_word(r.input_ids, o, w)
+                        for r, o in zip(requests, out, strict=True)
+                        for w in r.bad_words
+                    )
         report[json.dumps(options, sort_keys=True)] = row
         print(json.dumps(row), flush=True)
     return report
@@ -645,13 +652,13 @@ def main() -> int:
     report["transformers"] = transformers.__version__
     report["flash_attn"] = importlib.util.find_spec("flash_attn") is not None
     seq_len = args.prompt_tokens + args.output_tokens + 64
+    variants = [{"dtype": args.dtype, **options} for options in json.loads(args.variants)]
     if args.equivalence:
         report["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32  # float32 must mean float32 here
         reference = greedy_reference(model, ids[:EQUIVALENCE_REQUESTS], EQUIVALENCE_TOKENS)
         model.save_pretrained(model_dir)
         del model
         torch.cuda.empty_cache()
-        variants = [{"dtype": args.dtype, **options} for options in json.loads(args.variants)]
         report["equivalence"] = equivalence(model_dir, ids, variants, seq_len, reference)
         print(json.dumps(report), flush=True)
         return 0
@@ -668,11 +675,10 @@ def main() -> int:
     del model
     torch.cuda.empty_cache()
     if not args.skip_in_process:
-        for n, options in enumerate(json.loads(args.variants)):
+        for n, options in enumerate(variants):
             key = "in_process " + json.dumps(options, sort_keys=True)
             try:
                 profile = args.profile_dir / f"in_process{n}" if args.profile_dir else None
-                options = {"dtype": args.dtype, **options}
                 report[key] = in_process(model_dir, ids, args.output_tokens, options, seq_len, profile)
             except Exception as exc:  # one failing variant must not cost the others
                 report[key] = f"failed: {exc!r}"[:300]

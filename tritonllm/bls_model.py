@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from transformers import AutoTokenizer
 
 from tritonllm.detokenization import Detokenizer, finish_reason
 from tritonllm.errors import InputError
@@ -79,8 +78,7 @@ class StreamingModel:
         preprocessing = read_config(repository / self.preprocess_step.model_name / "config.pbtxt")
         self.preprocessor = preprocessor({k: v.string_value for k, v in preprocessing.parameters.items()})
         self.engine_model = params["engine_model_name"]
-        tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
-        self.detokenizer = Detokenizer(tokenizer, flag(params["skip_special_tokens"]))
+        self.detokenizer = Detokenizer(self.preprocessor.tokenizer, flag(params["skip_special_tokens"]))
         self.workers = ThreadPoolExecutor(int(params["max_inflight_requests"]), thread_name_prefix="bls")
         # Engine request ids, unique per process: the key of `stop` requests (numeric, as TensorRT-LLM wants).
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
