@@ -139,7 +139,7 @@ class EngineConfig:
     cudnn_attention: bool = False
     # Compile the step's forward (not the per-request sampling and bad words) with torch.compile: fewer, fused
     # kernels. On an H200 with CUDA graphs and async batching: batch-1 device time per step 8.2 -> 6.6 ms, served
-    # single stream 113 -> 145-151 tokens/s, 256 streams -5 to +14 %, and a minute or two more at start
+    # single stream 113 -> 137-151 tokens/s, 256 streams -5 to +14 %, and 1-2.5 minutes more at start
     # (docs/PERFORMANCE.md).
     compile: bool = False
     # transformers' asynchronous batching: the host prepares step N+1 while the device runs step N. On an H200
