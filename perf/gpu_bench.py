@@ -131,14 +131,6 @@ def engine_load(engine) -> tuple[int, int]:
     return in_batch, engine.running() - in_batch
 
 
-def captured_graphs(engine) -> int:
-    """CUDA graphs the batching manager holds: one per step shape met so far (two buffers under async batching).
-    transformers' private attributes, read for the report only."""
-    io = getattr(getattr(engine._manager, "batch_processor", None), "inputs_and_outputs", None)
-    pairs = [pair.device_io for pair in io.io_pairs] if hasattr(io, "io_pairs") else [io]
-    return sum(len(getattr(getattr(p, "graphs", None), "_storage", ())) for p in pairs)
-
-
 def engine_gauges(server) -> tuple[int, int]:
     """The engine's running and waiting request gauges, read from the server's metrics."""
     from tritonllm.server import metric_samples, metric_value
@@ -150,6 +142,14 @@ def engine_gauges(server) -> tuple[int, int]:
     return running, waiting
 
 
+def served_graphs(server) -> int:
+    """The served engine's CUDA graphs: its gauge, which the engine model updates every 0.2 s."""
+    from tritonllm.server import metric_samples, metric_value
+
+    time.sleep(0.5)
+    return int(metric_value(metric_samples(server.metrics(timeout=5)), "tritonllm_cuda_graphs"))
+
+
 def in_process(
     model_dir: Path, ids: list[list[int]], output_tokens: int, options: dict, seq_len: int, profile: Path | None
 ) -> dict:
@@ -158,12 +158,14 @@ def in_process(
     with cuda_engine(model_dir, len(ids), seq_len, options) as engine:
         result = {"start_s": round(time.perf_counter() - started, 1)}
         run_engine(engine, [ids[:8]], 8)  # warm-up
-        graphs = captured_graphs(engine)
+        graphs = engine.captured_graphs()
         result["c1"] = run_engine(engine, [[i] for i in ids[:3]], output_tokens)
-        result["c1"]["graphs"] = f"{graphs} -> {captured_graphs(engine)}"
+        result["c1"]["graphs"] = f"{graphs} -> {engine.captured_graphs()}"
         if profile is not None:
             result["c1_device_per_token"] = kernel_profile(engine, ids[0], profile / "c1-kernels.txt")
-        run_engine(engine, [ids], output_tokens)  # the first full batch meets new shapes
+        graphs = engine.captured_graphs()
+        first = result[f"c{len(ids)}_first"] = run_engine(engine, [ids], output_tokens)  # meets new shapes
+        first["graphs"] = f"{graphs} -> {engine.captured_graphs()}"
         # The third arrives over 2 s like the served requests do: its steps meet batch shapes the warm-up did
         # not (the cuDNN attention builds a graph per new shape).
         runs = [("", False, 0.0), ("_streaming", True, 0.0), ("_streaming_spread", True, 2.0)]
@@ -175,7 +177,7 @@ def in_process(
                 timeline(functools.partial(engine_load, engine), gauges),
             ):
                 result[label] = run_engine(engine, [ids], output_tokens, streaming, spread_s)
-            result[label].update(gauges, graphs=captured_graphs(engine))
+            result[label].update(gauges, graphs=engine.captured_graphs())
     return result
 
 
@@ -744,7 +746,9 @@ def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: lis
         ends: list[float] = []
         run = served(grpc_url, texts, args.output_tokens, concurrency, ends=ends, **options)
         try:
+            graphs = served_graphs(server)
             result[label] = asyncio.run(asyncio.wait_for(run, args.step_timeout))
+            result[label]["graphs"] = f"{graphs} -> {served_graphs(server)}"
         except (TimeoutError, asyncio.TimeoutError):
             result[label] = f"{len(ends)} of {len(texts)} requests finished in {args.step_timeout} s"
             result["stall"] = stall_report(server, args.profile_dir)

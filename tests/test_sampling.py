@@ -227,8 +227,9 @@ def test_graph_store_keeps_warm_up_graphs_and_separates_sampling_steps():
     warm = CudaGraphBuffer()
     warm.set_graph((16,), greedy := FakeGraph())
     io = SimpleNamespace(graphs=warm)
-    key_graphs_by_processors(io, plist)
+    assert key_graphs_by_processors(io, plist) == [io.graphs]
     assert isinstance(io.graphs, ProcessorKeyedGraphs) and not warm._storage
+    assert len(io.graphs) == 1  # the warm-up graph, counted where it now lives
     prepared(plist, [request(sample=True, temperature=1.0, top_k=0, top_p=1.0, seed=1)])
     assert io.graphs.get_graph((16,)) is None  # a new capture, not the greedy graph
     io.graphs.set_graph((16,), sampling := FakeGraph())
@@ -236,6 +237,7 @@ def test_graph_store_keeps_warm_up_graphs_and_separates_sampling_steps():
     assert io.graphs.get_graph((16,)) is greedy
     prepared(plist, [request(sample=True, temperature=0.5, top_k=3, top_p=0.9, seed=2)])
     assert io.graphs.get_graph((16,)) is sampling
+    assert len(io.graphs) == 2
 
 
 def test_both_buffer_sets_of_asynchronous_batching_are_keyed():

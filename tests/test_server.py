@@ -284,3 +284,5 @@ def test_metrics_add_up_after_traffic(server, url):
     assert errors == {"invalid_input": 1, "server_busy": 0, "generation_failed": 0}
     assert metric_value(after, "tritonllm_engine_requests_in_flight") == 0
     assert metric_value(after, "tritonllm_engine_requests", state="running") == 0
+    assert "tritonllm_cuda_graphs" in {k.split("{")[0] for k in after}  # exported; none captured on a CPU
+    assert metric_value(after, "tritonllm_cuda_graphs") == 0

@@ -191,11 +191,12 @@ class PortableEngine:
             self.model.set_attn_implementation(attention.register())
         processors = request_processors(max_words=MAX_WORDS)
         self._manager.logit_processor = processors
+        self._graph_stores: list = []
         if config.cuda_graphs:
             # Capture the largest graphs now, which sizes their shared memory pool, rather than in the first
             # requests' latency; smaller shapes are captured when first met.
             self._manager.warmup()
-            key_graphs_by_processors(self._manager.batch_processor.inputs_and_outputs, processors)
+            self._graph_stores = key_graphs_by_processors(self._manager.batch_processor.inputs_and_outputs, processors)
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -247,6 +248,11 @@ class PortableEngine:
         """Requests in the running batch (the others submitted wait for a slot)."""
         processor = self._manager.batch_processor
         return len(processor.scheduler.active_requests) if processor is not None else 0
+
+    def captured_graphs(self) -> int:
+        """CUDA graphs held: one per step shape and processing met so far, in each step buffer set (two under
+        asynchronous batching). They are kept for the engine's life; a rising count means steps pay captures."""
+        return sum(len(store) for store in self._graph_stores)
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> tuple[list[int], str]:
         """Blocking helper: the generated tokens and finish reason of one non-streaming request."""

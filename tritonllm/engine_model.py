@@ -170,7 +170,7 @@ class EngineModel:
                 emission.time_to_first_token,
                 emission.time_per_output_token,
             )
-        self.metrics.load(self.engine.running(), self.engine.in_batch())
+        self.metrics.load(self.engine.running(), self.engine.in_batch(), self.engine.captured_graphs())
 
     def _send(self, call: _Call, emission: Emission) -> None:
         """On the outbox's thread: a streaming request's new tokens, or a whole request's answer."""

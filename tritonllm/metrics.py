@@ -33,6 +33,12 @@ class EngineMetrics:
             "Requests submitted to the engine and not finished (running or waiting for a batch slot)",
             family.GAUGE,
         ).Metric(labels=labels)
+        self.graphs = make(
+            "tritonllm_cuda_graphs",
+            "CUDA graphs the engine captured, one per step shape met (0 without CUDA graphs); each new one "
+            "cost a capture in some step",
+            family.GAUGE,
+        ).Metric(labels=labels)
         self.input_tokens = make(
             "tritonllm_input_tokens_total", "Prompt tokens of finished requests", family.COUNTER
         ).Metric(labels=labels)
@@ -59,7 +65,8 @@ class EngineMetrics:
         if tpot is not None:
             self.tpot.observe(tpot)
 
-    def load(self, in_flight: int, in_batch: int) -> None:
+    def load(self, in_flight: int, in_batch: int, graphs: int) -> None:
+        self.graphs.set(graphs)
         self.in_flight.set(in_flight)
         self.running.set(in_batch)
         self.waiting.set(max(0, in_flight - in_batch))

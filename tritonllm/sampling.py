@@ -260,16 +260,21 @@ class ProcessorKeyedGraphs(CudaGraphBuffer):
     def set_graph(self, key: tuple, graph: torch.cuda.CUDAGraph) -> None:
         super().set_graph(self.processors.graph_key(key), graph)
 
+    def __len__(self) -> int:
+        return len(self._storage)
 
-def key_graphs_by_processors(inputs_and_outputs, processors: ArgumentGroups) -> None:
+
+def key_graphs_by_processors(inputs_and_outputs, processors: ArgumentGroups) -> list[ProcessorKeyedGraphs]:
     """Swaps the graph store of each of the batching manager's step buffers (two under asynchronous batching)
-    for a ProcessorKeyedGraphs. Without it a step that samples could replay a greedy step's graph."""
+    for a ProcessorKeyedGraphs, and returns them. Without it a step that samples could replay a greedy step's
+    graph."""
     pairs = getattr(inputs_and_outputs, "io_pairs", None)
     holders = [pair.device_io for pair in pairs] if pairs else [inputs_and_outputs]
     for io in holders:
         if not isinstance(getattr(io, "graphs", None), CudaGraphBuffer):
             raise RuntimeError(f"transformers' step buffers changed: {type(io).__name__} has no CUDA graph store")
         io.graphs = ProcessorKeyedGraphs(io.graphs, processors)
+    return [io.graphs for io in holders]
 
 
 def tokens_before(state, end: int, count: int) -> list[int]:
