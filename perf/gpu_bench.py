@@ -73,11 +73,11 @@ def prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
 
 def run_engine(engine, batches: list[list[list[int]]], output_tokens: int, streaming=False, spread_s=0.0) -> dict:
     """Each batch of prompts submitted at once (or evenly over `spread_s` seconds, as a server receives them),
-    one batch after the other: output tokens/s, TTFT p50, and the decode rate after the first token (1 / the
-    median time per output token: what a stream sees once it started)."""
+    one batch after the other: output tokens/s, TTFT p50, the decode rate after the first token (1 / the
+    median time per output token: what a stream sees once it started) and the CUDA graphs before and after."""
     from tritonllm.engine import GenerationRequest
 
-    finals, tokens = [], 0
+    finals, tokens, graphs = [], 0, engine.captured_graphs()
 
     def record(_: int, emission) -> None:
         nonlocal tokens
@@ -100,6 +100,7 @@ def run_engine(engine, batches: list[list[list[int]]], output_tokens: int, strea
         "decode_tokens_per_s": round(1 / float(np.percentile(per_token, 50)), 1) if per_token else None,
         # a few requests: each one's wait, to see which met a new step shape
         **({"ttfts_ms": [round(t * 1000, 1) for t in firsts]} if len(firsts) <= 8 else {}),
+        "graphs": f"{graphs} -> {engine.captured_graphs()}",
     }
 
 
@@ -158,14 +159,10 @@ def in_process(
     with cuda_engine(model_dir, len(ids), seq_len, options) as engine:
         result = {"start_s": round(time.perf_counter() - started, 1)}
         run_engine(engine, [ids[:8]], 8)  # warm-up
-        graphs = engine.captured_graphs()
         result["c1"] = run_engine(engine, [[i] for i in ids[:3]], output_tokens)
-        result["c1"]["graphs"] = f"{graphs} -> {engine.captured_graphs()}"
         if profile is not None:
             result["c1_device_per_token"] = kernel_profile(engine, ids[0], profile / "c1-kernels.txt")
-        graphs = engine.captured_graphs()
-        first = result[f"c{len(ids)}_first"] = run_engine(engine, [ids], output_tokens)  # meets new shapes
-        first["graphs"] = f"{graphs} -> {engine.captured_graphs()}"
+        result[f"c{len(ids)}_first"] = run_engine(engine, [ids], output_tokens)  # meets new shapes
         # The third arrives over 2 s like the served requests do: its steps meet batch shapes the warm-up did
         # not (the cuDNN attention builds a graph per new shape).
         runs = [("", False, 0.0), ("_streaming", True, 0.0), ("_streaming_spread", True, 2.0)]
@@ -177,7 +174,7 @@ def in_process(
                 timeline(functools.partial(engine_load, engine), gauges),
             ):
                 result[label] = run_engine(engine, [ids], output_tokens, streaming, spread_s)
-            result[label].update(gauges, graphs=engine.captured_graphs())
+            result[label].update(gauges)
     return result
 
 
@@ -741,14 +738,16 @@ def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: lis
     grpc_url = f"{server.host}:{server.grpc_port}"
     profile = args.profile_dir / build.name if args.profile_dir else None
     everything = f"c{args.requests}"
+    graphs = 0  # the engine's CUDA graphs after the previous load
 
     def measure(label: str, texts: list[str], concurrency: int, **options) -> None:
+        nonlocal graphs
         ends: list[float] = []
         run = served(grpc_url, texts, args.output_tokens, concurrency, ends=ends, **options)
         try:
-            graphs = served_graphs(server)
             result[label] = asyncio.run(asyncio.wait_for(run, args.step_timeout))
-            result[label]["graphs"] = f"{graphs} -> {served_graphs(server)}"
+            before, graphs = graphs, served_graphs(server)
+            result[label]["graphs"] = f"{before} -> {graphs}"
         except (TimeoutError, asyncio.TimeoutError):
             result[label] = f"{len(ends)} of {len(texts)} requests finished in {args.step_timeout} s"
             result["stall"] = stall_report(server, args.profile_dir)
@@ -758,6 +757,7 @@ def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: lis
 
     try:
         asyncio.run(served(grpc_url, texts[:8], 8, 8))  # warm-up
+        graphs = served_graphs(server)
         if not args.served_throughput_only:
             with profiled(profile, "c1", seconds=8):
                 measure("c1", texts[:3], 1)
