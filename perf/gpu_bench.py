@@ -17,6 +17,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -696,13 +697,19 @@ def main() -> int:
     return 0
 
 
+def split_environment(build_args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A --build-variants entry's NAME=VALUE items (the server's environment) and its build_engines.py arguments,
+    flag values included."""
+    settings = [a for a in build_args if re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", a)]
+    return dict(a.split("=", 1) for a in settings), [a for a in build_args if a not in settings]
+
+
 def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: list[str], build: Path) -> dict:
     """Build a repository with `build_args`, start tritonserver on it and measure; a stalled step is reported."""
     from tritonllm.build import main as build_main
     from tritonllm.server import TritonServer
 
-    env = dict(a.split("=", 1) for a in build_args if not a.startswith("-"))  # NAME=VALUE: the server's environment
-    build_args = [a for a in build_args if a.startswith("-")]
+    env, build_args = split_environment(build_args)
     code = build_main(
         [
             "--model",

@@ -27,3 +27,9 @@ def test_equivalence_finds_bad_words_across_the_prompt_and_where_answers_part():
         "same": "1/3",
         "first_difference_at": [0, 2],  # a shorter answer differs where it ends
     }
+
+
+def test_build_variants_split_server_environment_from_build_arguments_with_values():
+    env, argv = gpu_bench.split_environment(["--max-batch-tokens", "1024", "TORCH_LOGS=graph", "--compile"])
+    assert env == {"TORCH_LOGS": "graph"}
+    assert argv == ["--max-batch-tokens", "1024", "--compile"]
