@@ -27,6 +27,7 @@ PLAN = BuildPlan(
         "cudnn_attention": "false",
         "compile": "false",
         "async_batching": "false",
+        "fused_norms": "true",
         "attention": "sdpa",
         "engine_instance_kind": "KIND_CPU",
     },
@@ -245,3 +246,9 @@ def test_python_backend_threads_cover_every_admitted_request(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"tritonserver_args": bigger.tritonserver_args()}))
     command = TritonServer(tmp_path / "model_repository", tmp_path / "tritonserver").command()
     assert "--backend-config=python,thread-pool-size=800" in command
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], "true"), (["--no-fused-norms"], "false")])
+def test_fused_norms_are_on_unless_asked(manifest, argv, expected):
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    assert plan.engine_values["fused_norms"] == expected

@@ -80,6 +80,7 @@ class EngineModel:
                 cudnn_attention=flag(params.get("cudnn_attention", "false")),
                 compile=device != "cpu" and flag(params.get("compile", "false")),
                 async_batching=device != "cpu" and flag(params.get("async_batching", "false")),
+                fused_norms=flag(params.get("fused_norms", str(EngineConfig.fused_norms))),
                 attention=params.get("attention", "sdpa"),
             )
         )
