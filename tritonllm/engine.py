@@ -149,7 +149,8 @@ class EngineConfig:
     async_batching: bool = False
     # Run each RMSNorm layer as torch's one-kernel rms_norm instead of transformers' ~8 elementwise kernels
     # (tritonllm/norms.py). On an H200, 7B with CUDA graphs and async batching: batch 1 114.7 -> 133.1
-    # tokens/s, 256 requests +6 to +11 % (docs/PERFORMANCE.md, run DDD); on the CPU the same logits.
+    # tokens/s, 256 requests +6 to +11 % (docs/PERFORMANCE.md, run DDD); on the CPU the same logits, and a
+    # single stream +8 %.
     fused_norms: bool = True
 
 
