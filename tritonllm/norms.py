@@ -29,6 +29,7 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
         if type(module) not in verdicts:
             verdicts[type(module)] = computes_rms_norm(module)
         if verdicts[type(module)]:
+            module.rms_norm_eps = _epsilon(module)  # read once, not at every step
             module.forward = types.MethodType(_rms_norm_forward, module)
             fused += 1
     return fused
@@ -58,4 +59,4 @@ def _epsilon(module: torch.nn.Module) -> float | None:
 
 
 def _rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(hidden_states, self.weight.shape, self.weight, _epsilon(self))
+    return F.rms_norm(hidden_states, self.weight.shape, self.weight, self.rms_norm_eps)
