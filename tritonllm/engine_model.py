@@ -81,6 +81,7 @@ class EngineModel:
                 compile=device != "cpu" and flag(params.get("compile", "false")),
                 async_batching=device != "cpu" and flag(params.get("async_batching", "false")),
                 fused_norms=flag(params.get("fused_norms", str(EngineConfig.fused_norms))),
+                fused_projections=flag(params.get("fused_projections", str(EngineConfig.fused_projections))),
                 attention=params.get("attention", "sdpa"),
             )
         )
