@@ -24,7 +24,6 @@ PLAN = BuildPlan(
         "kv_cache_tokens": "1024",
         "max_batch_tokens": "64",
         "cuda_graphs": "false",
-        "graph_q_buckets": "8",
         "cudnn_attention": "false",
         "compile": "false",
         "async_batching": "false",
@@ -256,11 +255,3 @@ def test_fusions_are_on_unless_asked(manifest, fusion, flag, expected):
     argv = [flag + fusion.replace("_", "-")] if flag else []
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
     assert plan.engine_values[fusion] == expected
-
-
-def test_graph_query_buckets_reach_the_engine_and_refuse_negatives(manifest):
-    assert plan_portable(Path(manifest["model_dir"]), parse_args([])).engine_values["graph_q_buckets"] == "8"
-    plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--graph-query-buckets", "0"]))
-    assert plan.engine_values["graph_q_buckets"] == "0"
-    with pytest.raises(BuildError, match="--graph-query-buckets must be 0"):
-        plan_portable(Path(manifest["model_dir"]), parse_args(["--graph-query-buckets", "-1"]))

@@ -102,9 +102,6 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     attention = portable_attention(device, dtype, args.attention)
     fused_norms = EngineConfig.fused_norms if args.fused_norms is None else args.fused_norms
     fused_projections = EngineConfig.fused_projections if args.fused_projections is None else args.fused_projections
-    buckets = EngineConfig.graph_q_buckets if args.graph_query_buckets is None else args.graph_query_buckets
-    if buckets < 0:
-        raise BuildError(f"--graph-query-buckets must be 0 (off) or more, got {buckets}")
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
     model_max = getattr(text_config, "max_position_embeddings", None) or args.max_seq_len
@@ -140,7 +137,6 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "kv_cache_tokens": str(kv_cache_tokens),
             "max_batch_tokens": str(args.max_batch_tokens),
             "cuda_graphs": str(graphs).lower(),
-            "graph_q_buckets": str(buckets),
             "cudnn_attention": str(cudnn).lower(),
             "compile": str(compiled).lower(),
             "async_batching": str(asynchronous).lower(),
@@ -342,14 +338,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="on CUDA, prepare each engine step on the host while the GPU runs the previous one (transformers' "
         "asynchronous batching; default: with --cuda-graphs). H200, 7B: served 256 streams 5,796 against 4,294 "
         "tokens/s, a single stream 114 against 106 (docs/PERFORMANCE.md)",
-    )
-    portable.add_argument(
-        "--graph-query-buckets",
-        type=int,
-        metavar="N",
-        help="(default: 8) under CUDA graphs, pad steps of 256 query tokens or more to multiples of 1/N of "
-        "the power of two below them, so fewer shapes are captured (0: multiples of 16 throughout; "
-        "tritonllm/graph_shapes.py)",
     )
     portable.add_argument(
         "--fused-norms",

@@ -23,7 +23,6 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from tritonllm import attention
-from tritonllm.graph_shapes import coarsen_query_padding
 from tritonllm.norms import fuse_rms_norms
 from tritonllm.projections import merge_projections
 from tritonllm.sampling import ends_with, key_graphs_by_processors, request_processors
@@ -132,9 +131,6 @@ class EngineConfig:
     # almost every step; 4096 captured 61 graphs where 256 captured 168, for 256 requests arriving over
     # 2 s: 3,788 against 3,433 tokens/s, batch 1 100 against 102 (docs/PERFORMANCE.md, run CC).
     graph_q_padding: int = 16
-    # From 256 query tokens, pad to multiples of 1/N of the power of two below instead (graph_shapes.py): 48
-    # shapes up to 4,096 tokens rather than 256, for at most 12.5 % more tokens; 0: the interval throughout.
-    graph_q_buckets: int = 8
     graph_kv_padding: int = 4096
     # "sdpa", or "varlen" (CUDA): torch's FlashAttention over each request's own tokens (tritonllm/attention.py)
     attention: str = "sdpa"
@@ -214,8 +210,6 @@ class PortableEngine:
             # Capture the largest graphs now, which sizes their shared memory pool, rather than in the first
             # requests' latency; smaller shapes are captured when first met.
             self._manager.warmup()
-            runner = self._manager.batch_processor.model_runner
-            coarsen_query_padding(runner, config.graph_q_padding, config.graph_q_buckets)
             self._graph_stores = key_graphs_by_processors(self._manager.batch_processor.inputs_and_outputs, processors)
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()

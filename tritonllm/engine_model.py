@@ -80,7 +80,6 @@ class EngineModel:
                 cudnn_attention=flag(params.get("cudnn_attention", "false")),
                 compile=device != "cpu" and flag(params.get("compile", "false")),
                 async_batching=device != "cpu" and flag(params.get("async_batching", "false")),
-                graph_q_buckets=int(params.get("graph_q_buckets", EngineConfig.graph_q_buckets)),
                 fused_norms=flag(params.get("fused_norms", str(EngineConfig.fused_norms))),
                 fused_projections=flag(params.get("fused_projections", str(EngineConfig.fused_projections))),
                 attention=params.get("attention", "sdpa"),
