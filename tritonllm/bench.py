@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tritonllm.cpu_threads import on_fresh_thread
 from tritonllm.loadgen import LevelResult, Targets, load_prompts, run_level, summarize
 from tritonllm.server import metric_samples, metric_value
 
@@ -42,9 +43,6 @@ def in_process_tokens_per_s(
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     tokenizer = AutoTokenizer.from_pretrained(manifest["tokenizer_dir"])
-    model = AutoModelForCausalLM.from_pretrained(
-        manifest["model_dir"], dtype=getattr(torch, manifest["dtype"]), attn_implementation="sdpa"
-    ).eval()
     ids = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
@@ -59,7 +57,14 @@ def in_process_tokens_per_s(
         max_requests_per_batch=manifest["max_batch_size"],
         auto_switch_to_flash=False,
     )
-    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
+
+    def load():  # as the engine does: only the generation thread keeps torch threads (tritonllm/cpu_threads.py)
+        model = AutoModelForCausalLM.from_pretrained(
+            manifest["model_dir"], dtype=getattr(torch, manifest["dtype"]), attn_implementation="sdpa"
+        ).eval()
+        return model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)
+
+    manager = on_fresh_thread(load)
     manager.start()
     done: dict[str, threading.Event] = {}
     counts: dict[str, int] = {}
@@ -134,15 +139,17 @@ def step_times(http_url: str, models: list[str]) -> dict[str, tuple[int, float]]
 
 
 class PlainGenerate:
-    """transformers' `generate`, batch 1, on the bench prompts: the single-stream baseline."""
+    """transformers' `generate`, batch 1, on the bench prompts: the single-stream baseline. Its torch work runs
+    on threads that end, so that it leaves no OpenMP team beside the in-process batching baseline's
+    (tritonllm/cpu_threads.py), and runs with only its own, like the served engine."""
 
     def __init__(self, manifest: dict, prompts: list[str]) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(manifest["tokenizer_dir"])
-        self.model = AutoModelForCausalLM.from_pretrained(
-            manifest["model_dir"], dtype=getattr(torch, manifest["dtype"])
+        self.model = on_fresh_thread(
+            lambda: AutoModelForCausalLM.from_pretrained(manifest["model_dir"], dtype=getattr(torch, manifest["dtype"]))
         ).eval()
         self.ids = [
             torch.tensor(
@@ -155,8 +162,11 @@ class PlainGenerate:
             for p in prompts
         ]
         self.options = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
-        self.model.generate(self.ids[0], max_new_tokens=4, min_new_tokens=4, **self.options)  # warm-up
+        self._generate(self.ids[0], max_new_tokens=4, min_new_tokens=4)  # warm-up
         self._text_tokens: dict[int, int] = {}
+
+    def _generate(self, ids, **options):
+        return on_fresh_thread(lambda: self.model.generate(ids, **options, **self.options))
 
     def first_text_tokens(self, i: int) -> int:
         """How many tokens prompt `i`'s answer needs before it has text: 1, or more when it starts with a
@@ -166,7 +176,7 @@ class PlainGenerate:
         i %= len(self.ids)
         if i not in self._text_tokens:
             ids = self.ids[i]
-            out = self.model.generate(ids, max_new_tokens=FIRST_TEXT_MAX_TOKENS, **self.options)[0, ids.shape[1] :]
+            out = self._generate(ids, max_new_tokens=FIRST_TEXT_MAX_TOKENS)[0, ids.shape[1] :]
             self._text_tokens[i] = next(
                 (
                     k
@@ -181,14 +191,14 @@ class PlainGenerate:
     def time_to_tokens_ms(self, i: int, tokens: int) -> float:
         """Time of generating `tokens` tokens of prompt `i` (1: the prefill)."""
         started = time.perf_counter()
-        self.model.generate(self.ids[i % len(self.ids)], max_new_tokens=tokens, min_new_tokens=tokens, **self.options)
+        self._generate(self.ids[i % len(self.ids)], max_new_tokens=tokens, min_new_tokens=tokens)
         return (time.perf_counter() - started) * 1000
 
     def tokens_per_s(self, max_tokens: int, requests: int) -> float:
         started = time.perf_counter()
         for i in range(requests):
             ids = self.ids[i % len(self.ids)]
-            self.model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **self.options)
+            self._generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens)
         return requests * max_tokens / (time.perf_counter() - started)
 
 

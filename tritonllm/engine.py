@@ -23,6 +23,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from tritonllm import attention
+from tritonllm.cpu_threads import on_fresh_thread
 from tritonllm.norms import fuse_rms_norms
 from tritonllm.projections import merge_projections
 from tritonllm.sampling import ends_with, key_graphs_by_processors, request_processors
@@ -173,6 +174,17 @@ class PortableEngine:
         if config.device.startswith("cuda"):
             # A process-wide setting: the engine owns its process (one per Triton model instance).
             torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
+        if config.device == "cpu":
+            # Only the generation thread is to keep an OpenMP team: loading on the caller's thread would
+            # leave a second one, and cut a small host's decode speed by a third (tritonllm/cpu_threads.py).
+            on_fresh_thread(self._start)
+        else:
+            self._start()
+
+    def _start(self) -> None:
+        """Loads the model, creates the batching manager and starts it and the output router."""
+        config = self.config
+        varlen = config.attention == attention.VARLEN
         self.model = AutoModelForCausalLM.from_pretrained(
             config.model_dir,
             dtype=getattr(torch, config.dtype),

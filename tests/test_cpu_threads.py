@@ -1,0 +1,49 @@
+"""torch work on a thread that ends leaves no OpenMP workers behind (tritonllm/cpu_threads.py)."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from tritonllm.cpu_threads import on_fresh_thread
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def settled_threads(expected: int, within_s: float = 5.0) -> int:
+    """The process's thread count once it is `expected` or `within_s` has passed: a team's workers leave
+    shortly after the thread that owned it."""
+    deadline = time.monotonic() + within_s
+    while os_threads() != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return os_threads()
+
+
+def parallel_work() -> float:
+    a = torch.randn(512, 512)
+    return float((a @ a).sum())  # large enough for torch to start its OpenMP team
+
+
+def test_the_work_runs_elsewhere_and_its_result_or_error_comes_back():
+    assert on_fresh_thread(threading.get_ident) != threading.get_ident()
+    assert on_fresh_thread(lambda: 42) == 42
+    with pytest.raises(ValueError, match="bad"):
+        on_fresh_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
+
+
+def test_a_thread_that_ended_leaves_no_workers_where_a_live_one_does():
+    before = os_threads()
+    on_fresh_thread(parallel_work)
+    assert settled_threads(before) == before  # its team ended with it
+    if torch.get_num_threads() > 1:  # the control: a live thread that did the same keeps its workers
+        done, release = threading.Event(), threading.Event()
+        live = threading.Thread(target=lambda: (parallel_work(), done.set(), release.wait()))
+        live.start()
+        done.wait()
+        assert os_threads() > before + 1  # the thread itself and at least one worker
+        release.set()
+        live.join()
