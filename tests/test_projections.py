@@ -42,7 +42,7 @@ def test_parts_called_out_of_order_or_on_other_inputs_give_their_own_projection(
         torch.testing.assert_close(module.q_proj(x), expected["q_proj"])
         torch.testing.assert_close(module.k_proj(x), expected["k_proj"])  # the stacked product of q's call
         torch.testing.assert_close(module.v_proj(x), expected["v_proj"])
-    assert module.qkv_proj._output is None  # released once the group's last part used it
+    assert module.qkv_proj.last == [None, None]  # released once the group's last part used it
 
 
 def test_projections_of_other_shapes_or_kinds_stay_apart():

@@ -34,18 +34,20 @@ class StackedLinear(torch.nn.Module):
         )
         ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-        self._input: torch.Tensor | None = None
-        self._output: torch.Tensor | None = None
+        # (input, stacked product) of the last call, in a list: setting module attributes at every call goes
+        # through nn.Module.__setattr__, ~2.5 % of a CPU decode step for SmolLM2 (py-spy).
+        self.last: list[torch.Tensor | None] = [None, None]
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         start, end = self.bounds[index]
         if torch.compiler.is_compiling():  # dynamo need not trace the cache; the compiler fuses on its own
             return F.linear(x, self.weight[start:end], None if self.bias is None else self.bias[start:end])
-        if self._input is not x:
-            self._input, self._output = x, F.linear(x, self.weight, self.bias)
-        out = self._output[..., start:end]
+        last = self.last
+        if last[0] is not x:
+            last[0], last[1] = x, F.linear(x, self.weight, self.bias)
+        out = last[1][..., start:end]
         if index == len(self.bounds) - 1:  # the group is complete: hold no activations between layers
-            self._input = self._output = None
+            last[0] = last[1] = None
         return out
 
 
