@@ -18,7 +18,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def on_fresh_thread(work: Callable[[], T], name: str = "torch-setup") -> T:
+def on_fresh_thread(work: Callable[[], T]) -> T:
     """Runs `work` on a new thread and returns its result (or raises its exception) once that thread has
     ended, so the OpenMP team its torch operations made is gone with it."""
     outcome: list = []
@@ -29,7 +29,7 @@ def on_fresh_thread(work: Callable[[], T], name: str = "torch-setup") -> T:
         except BaseException as exc:  # handed to the caller, raised there
             outcome.append((False, exc))
 
-    thread = threading.Thread(target=run, name=name)
+    thread = threading.Thread(target=run, name="torch-setup")
     thread.start()
     thread.join()
     ok, value = outcome[0]
