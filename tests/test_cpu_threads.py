@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from tritonllm.cpu_threads import on_fresh_thread
+from tritonllm.cpu_threads import YIELDING_NICENESS, on_fresh_thread, start_yielding
 
 
 def os_threads() -> set[str]:
@@ -48,3 +48,20 @@ def test_a_thread_that_ended_leaves_no_workers_where_a_live_one_does():
         assert len(os_threads() - before) >= 2  # the thread itself and at least one worker
         release.set()
         live.join()
+
+
+def thread_nice(native_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, native_id)  # Linux: a thread id names one thread
+
+
+def test_threads_started_yielding_run_at_a_lower_priority_and_the_caller_keeps_its_own():
+    ours = thread_nice(threading.get_native_id())
+    release = threading.Event()
+    started = threading.Thread(target=release.wait)
+    start_yielding(started.start)
+    try:
+        assert thread_nice(started.native_id) == min(ours + YIELDING_NICENESS, 19)
+        assert thread_nice(threading.get_native_id()) == ours
+    finally:
+        release.set()
+        started.join()

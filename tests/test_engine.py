@@ -1,5 +1,6 @@
 """The portable engine in-process: greedy equals `generate`, seeded sampling, stop/bad words, streaming, cancel."""
 
+import os
 import threading
 import time
 
@@ -134,6 +135,12 @@ def test_cancel_frees_the_slot(engine, tokenizer):
     assert engine.running() == 0
     tokens, _ = engine.generate(GenerationRequest(ids, 4, end_id=-1), timeout=60)
     assert len(tokens) == 4
+
+
+def test_on_cpu_only_the_generation_loop_yields_the_cores(engine):
+    """Its OpenMP team inherits its priority; the output router, which feeds the response sender, keeps ours."""
+    nice = lambda thread: os.getpriority(os.PRIO_PROCESS, thread.native_id)  # noqa: E731
+    assert nice(engine._manager._generation_thread) > nice(engine._router) == os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def test_async_batching_is_refused_off_cuda(manifest):

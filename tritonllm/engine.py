@@ -23,7 +23,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from tritonllm import attention
-from tritonllm.cpu_threads import on_fresh_thread
+from tritonllm.cpu_threads import on_fresh_thread, start_yielding
 from tritonllm.norms import fuse_rms_norms
 from tritonllm.projections import merge_projections
 from tritonllm.sampling import ends_with, key_graphs_by_processors, request_processors
@@ -229,8 +229,12 @@ class PortableEngine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._stopping = threading.Event()
-        self._manager.start()
         self._router = threading.Thread(target=self._route_outputs, name="engine-output-router", daemon=True)
+        if config.device == "cpu":
+            # The generation loop and its OpenMP team yield the cores to the stream's other steps when they wake.
+            start_yielding(self._manager.start)
+        else:
+            self._manager.start()
         self._router.start()
 
     # ------------------------------------------------------------------ requests
