@@ -27,6 +27,7 @@ from tritonllm.cpu_threads import on_fresh_thread, start_yielding
 from tritonllm.norms import fuse_rms_norms
 from tritonllm.projections import merge_projections
 from tritonllm.sampling import ends_with, key_graphs_by_processors, request_processors
+from tritonllm.step_graphs import graph_steps_up_to
 from tritonllm.tokenization import MAX_WORDS
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,11 @@ class EngineConfig:
     # 2 s: 3,788 against 3,433 tokens/s, batch 1 100 against 102 (docs/PERFORMANCE.md, run CC).
     graph_q_padding: int = 16
     graph_kv_padding: int = 4096
+    # Steps of more query tokens than this run without a graph (tritonllm/step_graphs.py); None: max_batch_size, so
+    # every decode step replays one and only prefill-heavy steps run eagerly. On an H200, 7B, 256 requests: in-process
+    # 7,639 -> 7,832 tokens/s, arriving over 2 s 5,343 -> 5,751, served streams 6,688 -> 7,423 with no capture in a
+    # second load (docs/PERFORMANCE.md, run MMM).
+    graph_max_q_tokens: int | None = None
     # "sdpa", or "varlen" (CUDA): torch's FlashAttention over each request's own tokens (tritonllm/attention.py)
     attention: str = "sdpa"
     # Let torch's SDPA pick cuDNN's attention kernel (CUDA). It builds a cuDNN graph for every new batch
@@ -224,7 +230,13 @@ class PortableEngine:
             # Capture the largest graphs now, which sizes their shared memory pool, rather than in the first
             # requests' latency; smaller shapes are captured when first met.
             self._manager.warmup()
-            self._graph_stores = key_graphs_by_processors(self._manager.batch_processor.inputs_and_outputs, processors)
+            processor = self._manager.batch_processor
+            self._graph_stores = key_graphs_by_processors(processor.inputs_and_outputs, processors)
+            graph_steps_up_to(
+                processor.model_runner,
+                processor.inputs_and_outputs,
+                config.graph_max_q_tokens or config.max_batch_size,
+            )
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
