@@ -2,11 +2,12 @@
 baseline (tritonllm/bench.py): what the benchmarks' figures are computed from."""
 
 import asyncio
+import time
 
 import pytest
 
-from tritonllm.bench import EngineClock, PlainGenerate
-from tritonllm.loadgen import Targets, load_prompts
+from tritonllm.bench import EngineClock, PlainGenerate, serve_levels
+from tritonllm.loadgen import Record, Targets, load_prompts
 
 TOKENS = 4
 
@@ -58,3 +59,31 @@ def test_engine_clock_reads_each_request_own_time_to_first_token(server, tokeniz
     assert all(0 < own < waited for waited, own in waits), waits
     with pytest.raises(RuntimeError, match="found 0"):
         clock.last_ms(timeout=0.2)  # no request finished since
+
+
+class TimedTargets:
+    """Two targets whose requests take a known time each (no server): 10 tokens in 20 ms and in 40 ms."""
+
+    async def fast(self, i: int) -> Record:
+        return await self._wait(0.02)
+
+    async def slow(self, i: int) -> Record:
+        return await self._wait(0.04)
+
+    async def _wait(self, seconds: float) -> Record:
+        start = time.perf_counter()
+        await asyncio.sleep(seconds)
+        return Record(start, time.perf_counter(), None, 10)
+
+    async def close(self) -> None:
+        pass
+
+
+def test_interleaved_rounds_count_only_their_own_time():
+    """A B A B: merged over the rounds' span, each rate would also count the other target's rounds, and the
+    ratio of the two would be pulled toward 1 (here ~0.6 instead of 0.5)."""
+    levels = asyncio.run(serve_levels(TimedTargets, [("fast", 1), ("slow", 1)] * 3, 2))
+    fast, slow = levels[("fast", 1)], levels[("slow", 1)]
+    assert fast.requests == slow.requests == 12
+    assert 300 < fast.output_tokens_per_s <= 500  # 10 tokens / 20 ms, less the event loop's own time
+    assert 0.45 < slow.output_tokens_per_s / fast.output_tokens_per_s < 0.55

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tritonllm.cpu_threads import on_fresh_thread
-from tritonllm.loadgen import LevelResult, Targets, load_prompts, run_level, summarize
+from tritonllm.loadgen import LevelResult, Targets, load_prompts, run_level, span, summarize
 from tritonllm.server import metric_samples, metric_value
 
 ROUNDS = 3  # alternations of each served measurement with its in-process baseline
@@ -111,18 +111,21 @@ def in_process_tokens_per_s(
 
 async def serve_levels(make_targets, plan: list[tuple[str, int]], per: int) -> dict[tuple[str, int], LevelResult]:
     """Run each (target, concurrency) of `plan` in order; repeated entries add to the same result, so
-    interleaving the targets (A B A B) spreads this machine's drift evenly over both."""
+    interleaving the targets (A B A B) spreads this machine's drift evenly over both. Each entry's rates count
+    only the time its own rounds ran (merged, the rounds' span also held the other target's)."""
     targets = make_targets()  # its aio clients belong to this event loop
     records: dict[tuple[str, int], list] = {}
+    busy: dict[tuple[str, int], float] = {}  # seconds each (target, concurrency) ran, its rounds apart
     try:
         for name in sorted({n for n, _ in plan}):
             await run_level(getattr(targets, name), 1, 2)  # warm-up
         for name, concurrency in plan:
             got = await run_level(getattr(targets, name), concurrency, max(4, per * concurrency))
             records.setdefault((name, concurrency), []).extend(got)
+            busy[name, concurrency] = busy.get((name, concurrency), 0.0) + span(got)
     finally:
         await targets.close()
-    return {key: summarize(key[0], key[1], recs) for key, recs in records.items()}
+    return {key: summarize(key[0], key[1], recs, busy[key]) for key, recs in records.items()}
 
 
 def step_times(http_url: str, models: list[str]) -> dict[str, tuple[int, float]]:

@@ -60,11 +60,13 @@ def load_prompts(path: Path = PROMPTS) -> list[str]:
     return json.loads(path.read_text())["prompts"]
 
 
-def summarize(target: str, concurrency: int, records: Sequence[Record]) -> LevelResult:
+def summarize(target: str, concurrency: int, records: Sequence[Record], duration: float | None = None) -> LevelResult:
+    """Rates over `duration` seconds, by default the span of the records' successful requests; records of
+    several separate runs pass the sum of their runs' spans, so time between the runs does not count."""
     good = [r for r in records if r.error is None]
     if not good:
         raise RuntimeError(f"{target} at concurrency {concurrency}: every request failed: {records[0].error}")
-    duration = max(r.end for r in good) - min(r.start for r in good)
+    duration = span(good) if duration is None else duration
     latency = np.array([r.end - r.start for r in good]) * 1000
     ttft = [(r.first_token - r.start) * 1000 for r in good if r.first_token is not None]
     itl = [
@@ -87,6 +89,12 @@ def summarize(target: str, concurrency: int, records: Sequence[Record]) -> Level
         itl_mean_ms=round(float(np.mean(itl)), 2) if itl else None,
         itl_p50_ms=round(float(np.percentile(itl, 50)), 2) if itl else None,
     )
+
+
+def span(records: Sequence[Record]) -> float:
+    """Seconds from the first start to the last end of the successful ones among `records` (0 when none)."""
+    good = [r for r in records if r.error is None]
+    return max(r.end for r in good) - min(r.start for r in good) if good else 0.0
 
 
 async def run_level(send: Callable[[int], Awaitable[Record]], concurrency: int, requests: int) -> list[Record]:
