@@ -228,7 +228,8 @@ class PortableEngine:
         self._graph_stores: list = []
         if config.cuda_graphs:
             # Capture the largest graphs now, which sizes their shared memory pool, rather than in the first
-            # requests' latency; smaller shapes are captured when first met.
+            # requests' latency; smaller shapes are captured when first met. The largest step then runs without
+            # its graph (graph_steps_up_to): that capture is kept for the pool's size only.
             self._manager.warmup()
             processor = self._manager.batch_processor
             self._graph_stores = key_graphs_by_processors(processor.inputs_and_outputs, processors)
