@@ -29,6 +29,7 @@ PLAN = BuildPlan(
         "async_batching": "false",
         "fused_norms": "true",
         "fused_projections": "true",
+        "cpu_niceness": "10",
         "attention": "sdpa",
         "engine_instance_kind": "KIND_CPU",
     },
@@ -255,3 +256,15 @@ def test_fusions_are_on_unless_asked(manifest, fusion, flag, expected):
     argv = [flag + fusion.replace("_", "-")] if flag else []
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
     assert plan.engine_values[fusion] == expected
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], "10"), (["--cpu-niceness", "0"], "0")])
+def test_cpu_niceness_reaches_the_engine_config(manifest, argv, expected):
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    assert plan.engine_values["cpu_niceness"] == expected
+
+
+def test_cpu_niceness_out_of_range_is_refused_naming_the_limit(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu-niceness", "25"])
+    assert "--cpu-niceness: must be from 0 to 19, got 25" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tritonllm.cpu_threads import YIELDING_NICENESS
 from tritonllm.model_source import ModelSourceError, resolve_model
 from tritonllm.repository import RepositoryError, write_repository
 
@@ -142,6 +143,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "async_batching": str(asynchronous).lower(),
             "fused_norms": str(fused_norms).lower(),
             "fused_projections": str(fused_projections).lower(),
+            "cpu_niceness": str(args.cpu_niceness),
             "attention": attention,
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
@@ -155,6 +157,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "async_batching": asynchronous,
             "fused_norms": fused_norms,
             "fused_projections": fused_projections,
+            "cpu_niceness": args.cpu_niceness,
             "attention": attention,
         },
     )
@@ -280,6 +283,14 @@ def versions() -> dict[str, str]:
     return found
 
 
+def niceness(text: str) -> int:
+    """argparse type of --cpu-niceness: what Linux can add to a nice value of 0."""
+    value = int(text)
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 19, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from tritonllm.trtllm_build import KV_CACHE_QUANT_ALGOS, QUANT_ALGOS
 
@@ -350,6 +361,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         help="(default: on) run each layer's q/k/v projections as one matrix product and its MLP's gate/up ones as "
         "another: H200, 7B: a single stream 144 against 133 tokens/s; CPU +11 %% (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--cpu-niceness",
+        type=niceness,
+        default=YIELDING_NICENESS,
+        help="on the CPU, the nice value added to the engine's generation thread and its OpenMP workers, so that "
+        "the stream's other steps take a core when they wake (2 cores: first streamed text 1-2 ms sooner); 0 keeps "
+        "them at the server's priority, for a host shared with other busy processes (default: %(default)s)",
     )
     portable.add_argument(
         "--attention",

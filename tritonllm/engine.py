@@ -23,7 +23,7 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from tritonllm import attention
-from tritonllm.cpu_threads import on_fresh_thread, start_yielding
+from tritonllm.cpu_threads import YIELDING_NICENESS, on_fresh_thread, start_yielding
 from tritonllm.norms import fuse_rms_norms
 from tritonllm.projections import merge_projections
 from tritonllm.sampling import ends_with, key_graphs_by_processors, request_processors
@@ -165,6 +165,10 @@ class EngineConfig:
     # tokens/s, 256 requests unchanged (docs/PERFORMANCE.md, run FFF); on the CPU the same logits, and a single
     # stream +11 %.
     fused_projections: bool = True
+    # On the CPU, the nice value added to the generation thread and its OpenMP team (tritonllm/cpu_threads.py): the
+    # stream's other steps then take a core when they wake; 2 cores: the first streamed text 1-2 ms sooner (run in
+    # docs/PERFORMANCE.md, thirteenth session). 0 keeps the caller's priority (a host with other busy processes).
+    cpu_niceness: int = YIELDING_NICENESS
 
 
 class PortableEngine:
@@ -245,7 +249,7 @@ class PortableEngine:
         self._router = threading.Thread(target=self._route_outputs, name="engine-output-router", daemon=True)
         if config.device == "cpu":
             # The generation loop and its OpenMP team yield the cores to the stream's other steps when they wake.
-            start_yielding(self._manager.start)
+            start_yielding(self._manager.start, config.cpu_niceness)
         else:
             self._manager.start()
         self._router.start()

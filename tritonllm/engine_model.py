@@ -82,6 +82,7 @@ class EngineModel:
                 async_batching=device != "cpu" and flag(params.get("async_batching", "false")),
                 fused_norms=flag(params.get("fused_norms", str(EngineConfig.fused_norms))),
                 fused_projections=flag(params.get("fused_projections", str(EngineConfig.fused_projections))),
+                cpu_niceness=int(params.get("cpu_niceness", EngineConfig.cpu_niceness)),
                 attention=params.get("attention", "sdpa"),
             )
         )
