@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tritonllm.bench import EngineClock, PlainGenerate, serve_levels
+from tritonllm.bench import EngineClock, PlainGenerate, latency_pairs, serve_levels
 from tritonllm.loadgen import Record, Targets, load_prompts
 
 TOKENS = 4
@@ -87,3 +87,25 @@ def test_interleaved_rounds_count_only_their_own_time():
     assert fast.requests == slow.requests == 12
     assert 300 < fast.output_tokens_per_s <= 500  # 10 tokens / 20 ms, less the event loop's own time
     assert 0.45 < slow.output_tokens_per_s / fast.output_tokens_per_s < 0.55
+
+
+class PipelineTargets(TimedTargets):
+    """The ensemble 10 ms slower than the engine model alone; records the order of the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def ensemble(self, i: int) -> Record:
+        self.calls.append("ensemble")
+        return await self._wait(0.03)
+
+    async def engine(self, i: int) -> Record:
+        self.calls.append("engine")
+        return await self._wait(0.02)
+
+
+def test_latency_pairs_are_back_to_back_in_alternating_order():
+    targets = PipelineTargets()
+    pairs = asyncio.run(latency_pairs(lambda: targets, 4))
+    assert targets.calls == ["engine", "ensemble", "ensemble", "engine"] * 2
+    assert all(5 < ensemble - engine < 15 for ensemble, engine in pairs), pairs
