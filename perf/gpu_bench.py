@@ -504,12 +504,14 @@ async def served(
 
 
 def stub_pids() -> list[tuple[str, str]]:
-    """(model, pid) of every Python-backend stub process on this machine."""
+    """(model, pid) of every Python-backend stub process on this machine, and ("engine_process", pid) of the
+    engine's own process (tritonllm/engine_process.py) where it runs apart from its stub."""
     import subprocess
 
     lines = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
     # A stub's arguments start with its model file: .../<model>/<version>/model.py
-    return [(line.split()[2].split("/")[-3], line.split()[0]) for line in lines if "python_backend_stub " in line]
+    stubs = [(line.split()[2].split("/")[-3], line.split()[0]) for line in lines if "python_backend_stub " in line]
+    return stubs + [("engine_process", line.split()[0]) for line in lines if "-m tritonllm.engine_process" in line]
 
 
 def cpu_seconds(server) -> dict[str, float]:
@@ -568,7 +570,7 @@ def profiled(out: Path | None, label: str, seconds: int, pids: list[tuple[str, s
 
     out.mkdir(parents=True, exist_ok=True)
     if pids is None:
-        pids = [(model, pid) for model, pid in stub_pids() if model in ("tensorrt_llm", "tensorrt_llm_bls")]
+        pids = [(m, pid) for m, pid in stub_pids() if m in ("tensorrt_llm", "tensorrt_llm_bls", "engine_process")]
     spies = []
     for name, pid in pids:
         maps = Path(f"/proc/{pid}/maps").read_text().splitlines()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from client import GenerationError, generate, infer_inputs, request_tensors
+from client import GenerationError, generate, infer_inputs, request_tensors, stream
 from tests.conftest import BUILD, ROOT
 from tests.test_streaming import wait_for_in_flight
 from tritonllm.server import free_port, http_ready
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 class Serve:
     """`python -m tritonllm.serve` (what `make serve` runs) as a subprocess on free ports."""
 
-    def __init__(self, tmp_path, *extra: str) -> None:
+    def __init__(self, tmp_path, *extra: str, repository=BUILD / "model_repository") -> None:
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
         self.log = tmp_path / "serve.log"
         command = [
@@ -34,7 +34,7 @@ class Serve:
             "-m",
             "tritonllm.serve",
             "--repository",
-            str(BUILD / "model_repository"),
+            str(repository),
             "--http-port",
             str(self.http),
             "--grpc-port",
@@ -77,6 +77,12 @@ class Serve:
                 return int(line.split()[0])
         raise AssertionError(f"no engine stub of tritonserver {server}: {out}")
 
+    def engine_child_pid(self) -> int:
+        """The process of an engine built with --engine-process (tritonllm/engine_process.py)."""
+        out = subprocess.run(["pgrep", "-P", str(self.engine_stub_pid())], capture_output=True, text=True).stdout
+        (pid,) = out.split()
+        return int(pid)
+
     def tail(self) -> str:
         return self.log.read_text()[-3000:] if self.log.exists() else ""
 
@@ -105,13 +111,39 @@ def in_background(function, *args, **kwargs) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
-def test_killed_engine_fails_in_flight_requests_and_serving_comes_back(tmp_path):
-    serve = Serve(tmp_path, "--watchdog-seconds", "1")
+@pytest.fixture(scope="module")
+def engine_process_build(tmp_path_factory, manifest):
+    """The default build with the engine in a process of its own (the default on CUDA)."""
+    from tritonllm.build import main as build_main
+
+    build = tmp_path_factory.mktemp("engine-process")
+    assert build_main(["--model", manifest["model_dir"], "--build-dir", str(build), "--engine-process"]) == 0
+    return build
+
+
+def test_the_engine_in_its_own_process_answers_as_in_the_model_process(tmp_path, engine_process_build, server):
+    serve = Serve(tmp_path, "--watchdog-seconds", "0", repository=engine_process_build / "model_repository")
+    try:
+        prompt = "What is the capital of France?"
+        assert serve.engine_child_pid()
+        assert generate(prompt, 16, url=serve.url) == generate(prompt, 16, url=server.http_url)
+        streamed = "".join(c.text for c in stream(prompt, 16, url=f"127.0.0.1:{serve.grpc}"))
+        assert streamed == generate(prompt, 16, url=server.http_url)
+    finally:
+        serve.stop()
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-in-the-stub", "engine-process"])
+def test_killed_engine_fails_in_flight_requests_and_serving_comes_back(tmp_path, engine_process, request):
+    """Killing the engine model's process, or with --engine-process the engine's own (the stub then lives on and
+    the health probe finds its generation loop stopped)."""
+    build = request.getfixturevalue("engine_process_build") if engine_process else BUILD
+    serve = Serve(tmp_path, "--watchdog-seconds", "1", repository=build / "model_repository")
     try:
         answer = generate("What is the capital of France?", 12, url=serve.url)
         thread, result = in_background(generate, "Tell me a very long story.", 400, url=serve.url, timeout=300)
         time.sleep(2)
-        os.kill(serve.engine_stub_pid(), signal.SIGKILL)
+        os.kill(serve.engine_child_pid() if engine_process else serve.engine_stub_pid(), signal.SIGKILL)
         killed = time.monotonic()
         thread.join(120)
         assert "error" in result, f"the in-flight request did not fail: {result}"

@@ -30,6 +30,7 @@ PLAN = BuildPlan(
         "fused_norms": "true",
         "fused_projections": "true",
         "cpu_niceness": "10",
+        "engine_process": "false",
         "attention": "sdpa",
         "engine_instance_kind": "KIND_CPU",
     },
@@ -193,6 +194,23 @@ def test_options_follow_cuda_graphs_unless_asked(manifest, monkeypatch, option, 
     argv = [a.replace("OPTION", option.replace("_", "-")) for a in argv]
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
     assert plan.engine_values[option] == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--device", "cuda"], "true"),
+        (["--device", "cuda", "--no-engine-process"], "false"),
+        (["--device", "cpu"], "false"),
+        (["--device", "cpu", "--engine-process"], "true"),  # runs on the CPU too (tests/test_engine_process.py)
+    ],
+)
+def test_engine_process_follows_the_device_unless_asked(manifest, monkeypatch, argv, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    assert plan.engine_values["engine_process"] == expected
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], "false"), (["--compile"], "true")])

@@ -101,6 +101,8 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     # The host prepares step N+1 while the GPU runs step N; measured with graphs (docs/PERFORMANCE.md).
     asynchronous = device == "cuda" and (graphs if args.async_batching is None else args.async_batching)
     attention = portable_attention(device, dtype, args.attention)
+    # On CUDA the generation loop's host work bounds a heavy load; on a small CPU host a process hop costs more.
+    engine_process = device == "cuda" if args.engine_process is None else args.engine_process
     fused_norms = EngineConfig.fused_norms if args.fused_norms is None else args.fused_norms
     fused_projections = EngineConfig.fused_projections if args.fused_projections is None else args.fused_projections
 
@@ -144,6 +146,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "fused_norms": str(fused_norms).lower(),
             "fused_projections": str(fused_projections).lower(),
             "cpu_niceness": str(args.cpu_niceness),
+            "engine_process": str(engine_process).lower(),
             "attention": attention,
             "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
         },
@@ -158,6 +161,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
             "fused_norms": fused_norms,
             "fused_projections": fused_projections,
             "cpu_niceness": args.cpu_niceness,
+            "engine_process": engine_process,
             "attention": attention,
         },
     )
@@ -369,6 +373,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="on the CPU, the nice value added to the engine's generation thread and its OpenMP workers, so that "
         "the stream's other steps take a core when they wake (2 cores: first streamed text 1-2 ms sooner); 0 keeps "
         "them at the server's priority, for a host shared with other busy processes (default: %(default)s)",
+    )
+    portable.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        help="run the engine in a process of its own, beside the engine model's (default: on CUDA), so that "
+        "sending a response per token per stream does not take the generation loop's interpreter lock "
+        "(docs/PERFORMANCE.md)",
     )
     portable.add_argument(
         "--attention",

@@ -171,7 +171,32 @@ class EngineConfig:
     cpu_niceness: int = YIELDING_NICENESS
 
 
-class PortableEngine:
+class BlockingGenerate:
+    """`generate` for an engine with `submit` (in this process, or in one of its own: tritonllm/engine_process.py)."""
+
+    def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        raise NotImplementedError
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None) -> tuple[list[int], str]:
+        """Blocking helper: the generated tokens and finish reason of one non-streaming request."""
+        done = threading.Event()
+        result: list[Emission] = []
+
+        def emit(emission: Emission) -> None:
+            result.append(emission)
+            if emission.final:
+                done.set()
+
+        self.submit(request, emit)
+        if not done.wait(timeout):
+            raise TimeoutError("generation did not finish in time")
+        final = result[-1]
+        if final.error:
+            raise RuntimeError(final.error)
+        return [t for e in result for t in e.token_ids], final.finish_reason or ""
+
+
+class PortableEngine(BlockingGenerate):
     """One model, one batching manager, one thread that routes the manager's outputs to requests."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -258,8 +283,7 @@ class PortableEngine:
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         """Queue a request; `emit` is called from the engine's thread as tokens arrive."""
-        if len(request.bad_words) > MAX_WORDS:
-            raise ValueError(f"{len(request.bad_words)} bad words, more than the limit of {MAX_WORDS}")
+        self.check(request)
         request_id = f"r{next(self._ids)}"
         active = _Active(request, emit)
         kwargs = request.sampling.as_kwargs()
@@ -280,6 +304,12 @@ class PortableEngine:
         )
         return request_id
 
+    @staticmethod
+    def check(request: GenerationRequest) -> None:
+        """What `submit` refuses (ValueError) rather than queues."""
+        if len(request.bad_words) > MAX_WORDS:
+            raise ValueError(f"{len(request.bad_words)} bad words, more than the limit of {MAX_WORDS}")
+
     def cancel(self, request_id: str) -> None:
         """Stop a request and free its place in the batch; it gets a final "cancelled" emission."""
         with self._lock:
@@ -298,28 +328,14 @@ class PortableEngine:
         processor = self._manager.batch_processor
         return len(processor.scheduler.active_requests) if processor is not None else 0
 
+    def alive(self) -> bool:
+        """Whether the generation loop runs (when it stops, the router fails every request and ends)."""
+        return self._router.is_alive()
+
     def captured_graphs(self) -> int:
         """CUDA graphs held: one per step shape and processing met so far, in each step buffer set (two under
         asynchronous batching). They are kept for the engine's life; a rising count means steps pay captures."""
         return sum(len(store) for store in self._graph_stores)
-
-    def generate(self, request: GenerationRequest, timeout: float | None = None) -> tuple[list[int], str]:
-        """Blocking helper: the generated tokens and finish reason of one non-streaming request."""
-        done = threading.Event()
-        result: list[Emission] = []
-
-        def emit(emission: Emission) -> None:
-            result.append(emission)
-            if emission.final:
-                done.set()
-
-        self.submit(request, emit)
-        if not done.wait(timeout):
-            raise TimeoutError("generation did not finish in time")
-        final = result[-1]
-        if final.error:
-            raise RuntimeError(final.error)
-        return [t for e in result for t in e.token_ids], final.finish_reason or ""
 
     def shutdown(self) -> None:
         self._stopping.set()

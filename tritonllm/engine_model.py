@@ -19,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from tritonllm.engine import Emission, EngineConfig, GenerationRequest, PortableEngine
 from tritonllm.engine_io import exclude_input, pack_outputs, parse_requests
+from tritonllm.engine_process import EngineProcess
 from tritonllm.errors import InputError
 from tritonllm.metrics import EngineMetrics
 from tritonllm.outbox import Outbox
@@ -67,7 +68,9 @@ class EngineModel:
         self.exclude_input = flag(params.get("exclude_input_in_output", "true"))
         # Requests beyond the running batch wait in the engine's queue, up to this bound; more are refused.
         self.capacity = int(config["max_batch_size"]) + int(params["max_queue_size"])
-        self.engine = PortableEngine(
+        # The engine in a child process (tritonllm/engine_process.py), or in this one.
+        engine = EngineProcess if flag(params.get("engine_process", "false")) else PortableEngine
+        self.engine = engine(
             EngineConfig(
                 model_dir=params["model_dir"],
                 device=device,
@@ -89,7 +92,10 @@ class EngineModel:
         started = time.perf_counter()
         # The batching manager's first step is slow (allocation, kernel selection): pay it now.
         self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)
-        log_info(f"tensorrt_llm: portable engine on {device} warmed up in {time.perf_counter() - started:.1f} s")
+        where = "in a process of its own" if engine is EngineProcess else "in the model's process"
+        log_info(
+            f"tensorrt_llm: portable engine on {device}, {where}, warmed up in {time.perf_counter() - started:.1f} s"
+        )
         self._live: dict[int, _Call] = {}
         self.metrics = EngineMetrics(args["model_name"], args["model_version"])
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # metric records, flushed by the sender thread
@@ -134,6 +140,10 @@ class EngineModel:
         """TensorRT-LLM's `stop` input: end the in-flight requests that carry this request id."""
         if not request_id:
             raise InputError("stop", "a stop request must carry the id of the request to stop")
+        if not self.engine.alive():  # so the health probe (tritonllm.server.probe_engine) fails
+            error = pb_utils.TritonError("the engine's generation loop has stopped", pb_utils.TritonError.INTERNAL)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            return
         for call in list(self._live.values()):
             if call.request_id == request_id:
                 for engine_id in call.engine_ids:
