@@ -76,7 +76,7 @@ def run_engine(engine, batches: list[list[list[int]]], output_tokens: int, strea
     """Each batch of prompts submitted at once (or evenly over `spread_s` seconds, as a server receives them),
     one batch after the other: output tokens/s, TTFT p50, the decode rate after the first token (1 / the
     median time per output token: what a stream sees once it started) and the CUDA graphs before and after."""
-    from tritonllm.engine import GenerationRequest
+    from tritonllm.engine_api import GenerationRequest
 
     finals, tokens, graphs = [], 0, engine.captured_graphs()
 
@@ -185,7 +185,8 @@ def cuda_engine(model_dir: Path, batch: int, seq_len: int, options: dict):
     The memory of engines shut down before (cycles through their threads keep them alive) is returned first."""
     import gc
 
-    from tritonllm.engine import EngineConfig, PortableEngine
+    from tritonllm.engine import PortableEngine
+    from tritonllm.engine_api import EngineConfig
 
     gc.collect()
     torch.cuda.empty_cache()
@@ -249,7 +250,7 @@ def equivalence_cases(ids: list[list[int]], reference: list[list[int]], tokens: 
     from the greedy `reference` tokens, so each ban changes the answer: a single token the answer reached at
     its 6th token, and its 3rd and 4th tokens as a two-token word. The mixed batch interleaves greedy, seeded
     sampling and bad words in one streaming batch, the case asynchronous batching prepares a step ahead for."""
-    from tritonllm.engine import GenerationRequest, SamplingParams
+    from tritonllm.engine_api import GenerationRequest, SamplingParams
 
     def words(r: list[int]) -> tuple[tuple[int, ...], ...]:
         return ((r[5],), (r[2], r[3]))

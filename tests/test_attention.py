@@ -12,7 +12,8 @@ import torch
 
 from tritonllm import attention
 from tritonllm.attention import VARLEN
-from tritonllm.engine import EngineConfig, GenerationRequest, PortableEngine
+from tritonllm.engine import PortableEngine
+from tritonllm.engine_api import EngineConfig, GenerationRequest
 
 
 def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):

@@ -7,14 +7,14 @@ import time
 import pytest
 import torch
 
-from tritonllm.engine import (
+from tritonllm.engine import PortableEngine
+from tritonllm.engine_api import (
     FINISH_CANCELLED,
     FINISH_END_ID,
     FINISH_LENGTH,
     FINISH_STOP,
     EngineConfig,
     GenerationRequest,
-    PortableEngine,
     SamplingParams,
 )
 

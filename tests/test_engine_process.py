@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tritonllm.engine import (
+from tritonllm.engine import PortableEngine
+from tritonllm.engine_api import (
     FINISH_CANCELLED,
     FINISH_ERROR,
     FINISH_LENGTH,
     Emission,
     EngineConfig,
     GenerationRequest,
-    PortableEngine,
     SamplingParams,
 )
 from tritonllm.engine_process import EngineProcess, EngineProcessError
@@ -124,7 +124,7 @@ def test_the_child_exits_when_its_parent_dies(manifest):
     """A killed engine model's process closes the socket, and the child exits: no orphan holds a GPU's memory."""
     parent = (
         "import os, signal, sys\n"
-        "from tritonllm.engine import EngineConfig\n"
+        "from tritonllm.engine_api import EngineConfig\n"
         "from tritonllm.engine_process import EngineProcess\n"
         "engine = EngineProcess(EngineConfig(sys.argv[1], max_batch_size=2, max_seq_len=256))\n"
         "print(engine._process.pid, flush=True)\n"

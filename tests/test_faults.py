@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,6 +127,9 @@ def test_the_engine_in_its_own_process_answers_as_in_the_model_process(tmp_path,
     try:
         prompt = "What is the capital of France?"
         assert serve.engine_child_pid()
+        # Only the engine's process loads torch; the stub parses requests and sends responses.
+        assert "libtorch" not in Path(f"/proc/{serve.engine_stub_pid()}/maps").read_text()
+        assert "libtorch" in Path(f"/proc/{serve.engine_child_pid()}/maps").read_text()
         assert generate(prompt, 16, url=serve.url) == generate(prompt, 16, url=server.http_url)
         streamed = "".join(c.text for c in stream(prompt, 16, url=f"127.0.0.1:{serve.grpc}"))
         assert streamed == generate(prompt, 16, url=server.http_url)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tritonllm.engine import Emission
+from tritonllm.engine_api import Emission
 from tritonllm.outbox import Outbox, coalesce
 
 

@@ -31,13 +31,14 @@ from tritonllm.detokenization import Detokenizer, finish_reason
 from tritonllm.errors import InputError
 from tritonllm.outbox import Outbox
 from tritonllm.repository import read_config
-from tritonllm.text_models import flag, preprocessor
+from tritonllm.text_models import preprocessor
 from tritonllm.text_stream import TextStream
 from tritonllm.tokenization import as_text, scalar
 from tritonllm.triton_glue import (
     FINAL,
     error_response,
     exec_decoupled,
+    flag,
     input_arrays,
     log_exception,
     model_config,

@@ -84,7 +84,7 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     import torch
     from transformers import AutoConfig
 
-    from tritonllm.engine import EngineConfig
+    from tritonllm.engine_api import EngineConfig
 
     device = args.device
     if device == "auto":

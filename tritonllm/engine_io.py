@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from tritonllm.engine import GenerationRequest, SamplingParams
+from tritonllm.engine_api import GenerationRequest, SamplingParams
 from tritonllm.errors import InputError
 from tritonllm.tokenization import MAX_WORDS, Limits, check_sampling, parse_word_list, scalar
 

@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.engine import Emission, EngineConfig, GenerationRequest, PortableEngine
+from tritonllm.engine_api import Emission, EngineConfig, GenerationRequest
 from tritonllm.engine_io import exclude_input, pack_outputs, parse_requests
 from tritonllm.engine_process import EngineProcess
 from tritonllm.errors import InputError
 from tritonllm.metrics import EngineMetrics
 from tritonllm.outbox import Outbox
-from tritonllm.text_models import flag
 from tritonllm.tokenization import Limits, scalar
 from tritonllm.triton_glue import (
     FINAL,
     ServerBusy,
     error_response,
+    flag,
     input_arrays,
     log_exception,
     log_info,
@@ -68,8 +68,11 @@ class EngineModel:
         self.exclude_input = flag(params.get("exclude_input_in_output", "true"))
         # Requests beyond the running batch wait in the engine's queue, up to this bound; more are refused.
         self.capacity = int(config["max_batch_size"]) + int(params["max_queue_size"])
-        # The engine in a child process (tritonllm/engine_process.py), or in this one.
-        engine = EngineProcess if flag(params.get("engine_process", "false")) else PortableEngine
+        # The engine in a child process (tritonllm/engine_process.py), which alone then loads torch, or in this one.
+        if flag(params.get("engine_process", "false")):
+            engine = EngineProcess
+        else:
+            from tritonllm.engine import PortableEngine as engine
         self.engine = engine(
             EngineConfig(
                 model_dir=params["model_dir"],

@@ -26,7 +26,14 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from tritonllm.engine import FINISH_ERROR, BlockingGenerate, Emission, EngineConfig, GenerationRequest, PortableEngine
+from tritonllm.engine_api import (
+    FINISH_ERROR,
+    BlockingGenerate,
+    Emission,
+    EngineConfig,
+    GenerationRequest,
+    check_request,
+)
 
 LOAD_PERIOD = 0.2  # seconds between the child's load reports while it emits nothing
 
@@ -67,7 +74,7 @@ class EngineProcess(BlockingGenerate):
     # ------------------------------------------------------------------ PortableEngine's interface
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
-        PortableEngine.check(request)
+        check_request(request)
         request_id = f"p{next(self._ids)}"
         with self._lock:
             ended = self._ended
@@ -141,6 +148,8 @@ class EngineProcess(BlockingGenerate):
 
 def serve(conn: Connection) -> int:
     """Runs the engine the first message configures, until the connection ends or asks it to stop."""
+    from tritonllm.engine import PortableEngine  # torch and transformers: only this process loads them
+
     _, config = conn.recv()
     try:
         engine = PortableEngine(config)
@@ -184,7 +193,7 @@ def serve(conn: Connection) -> int:
     return 0
 
 
-def _send_emissions(conn: Connection, outgoing: queue.SimpleQueue, engine: PortableEngine) -> None:
+def _send_emissions(conn: Connection, outgoing: queue.SimpleQueue, engine) -> None:
     """One message per wake-up: every emission queued since the last one, and the engine's load."""
     done = False
     while not done:

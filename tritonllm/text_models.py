@@ -6,11 +6,7 @@ from transformers import AutoTokenizer
 
 from tritonllm.detokenization import Detokenizer, Postprocessor
 from tritonllm.tokenization import Limits, Preprocessor
-from tritonllm.triton_glue import model_config, parameters, run_batch
-
-
-def flag(value: str) -> bool:
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+from tritonllm.triton_glue import flag, model_config, parameters, run_batch
 
 
 def preprocessor(params: dict[str, str]) -> Preprocessor:

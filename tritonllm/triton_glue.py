@@ -35,6 +35,11 @@ def parameters(config: dict) -> dict[str, str]:
     return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
 
 
+def flag(value: str) -> bool:
+    """A boolean config parameter."""
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
 def input_arrays(request) -> dict[str, np.ndarray]:
     """Every input of a request as a numpy array (copied: it outlives the request's shared memory)."""
     return {tensor.name(): np.array(tensor.as_numpy(), copy=True) for tensor in request.inputs()}
