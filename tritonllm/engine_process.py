@@ -158,12 +158,14 @@ def serve(conn: Connection) -> int:
         conn.send(("failed", "".join(traceback.format_exception_only(exc)).strip()))
         return 1
     outgoing: queue.SimpleQueue = queue.SimpleQueue()
-    engine_ids: dict[str, str] = {}  # the parent's request ids -> the engine's
+    engine_ids: dict[str, str] = {}  # the parent's request ids -> the engine's, while they run
+    submitting = threading.Lock()  # a request may finish before `submit` has returned its id
 
     def emitter(request_id: str) -> Callable[[Emission], None]:
         def emit(emission: Emission) -> None:
             if emission.final:
-                engine_ids.pop(request_id, None)
+                with submitting:
+                    engine_ids.pop(request_id, None)
             outgoing.put((request_id, emission))
 
         return emit
@@ -179,7 +181,8 @@ def serve(conn: Connection) -> int:
         if message[0] == "submit":
             _, request_id, request = message
             try:
-                engine_ids[request_id] = engine.submit(request, emitter(request_id))
+                with submitting:
+                    engine_ids[request_id] = engine.submit(request, emitter(request_id))
             except Exception as exc:
                 outgoing.put((request_id, Emission([], FINISH_ERROR, str(exc))))
         elif message[0] == "cancel":
