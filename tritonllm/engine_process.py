@@ -46,12 +46,12 @@ class EngineProcess(BlockingGenerate):
     """`PortableEngine`'s interface, served by a child process. `emit` callbacks run on this process's reader
     thread, in the order the child's engine made the emissions."""
 
-    def __init__(self, config: EngineConfig, python: str = sys.executable) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         here, there = socket.socketpair()
         self._conn = Connection(here.detach())
-        # The stub's interpreter is the server's Python (sys.executable is the environment's python there).
+        # In a stub, sys.executable is the server environment's python, whose packages the stub imports.
         self._process = subprocess.Popen(
-            [python, "-m", "tritonllm.engine_process", str(there.fileno())], pass_fds=[there.fileno()]
+            [sys.executable, "-m", "tritonllm.engine_process", str(there.fileno())], pass_fds=[there.fileno()]
         )
         there.close()
         self._send_lock = threading.Lock()
