@@ -37,4 +37,4 @@ RUN python3 -m pip install --no-deps -e . \
  && python3 build_engines.py --build-dir /opt/tritonllm/build --device cpu
 # Render again at start: the device (CPU or GPU) is the one the container sees, not the builder's.
 CMD ["sh", "-c", "python3 build_engines.py --build-dir /opt/tritonllm/build \
- && exec python3 -m tritonllm.container launch /opt/tritonllm/build"]
+ && exec python3 -m tritonllm.launch.container launch /opt/tritonllm/build"]

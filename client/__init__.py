@@ -10,15 +10,19 @@ import contextlib
 import http.client
 import queue
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-DEFAULT_URL = "127.0.0.1:8000"
-DEFAULT_GRPC_URL = "127.0.0.1:8001"
+from tritonllm.protocol import ENSEMBLE, PORTS, STREAMING_MODEL, infer_inputs, request_tensors
+
+__all__ = ["GenerationError", "StreamChunk", "generate", "infer_inputs", "request_tensors", "stream"]
+
+DEFAULT_URL = f"127.0.0.1:{PORTS['http']}"
+DEFAULT_GRPC_URL = f"127.0.0.1:{PORTS['grpc']}"
 
 
 class GenerationError(RuntimeError):
@@ -29,54 +33,12 @@ class GenerationError(RuntimeError):
         self.status = status
 
 
-def request_tensors(
-    prompt: str,
-    max_tokens: int,
-    *,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    bad_words: Sequence[str] = (),
-    chat: bool = True,
-) -> list[tuple[str, np.ndarray, str]]:
-    """(name, value, Triton datatype) of the ensemble's inputs for one prompt; optional ones only when given."""
-    tensors = [
-        ("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
-        ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
-        ("apply_chat_template", np.array([[chat]], dtype=bool), "BOOL"),
-    ]
-    for name, value, dtype, datatype in (
-        ("temperature", temperature, np.float32, "FP32"),
-        ("top_k", top_k, np.int32, "INT32"),
-        ("top_p", top_p, np.float32, "FP32"),
-        ("seed", seed, np.uint64, "UINT64"),
-    ):
-        if value is not None:
-            tensors.append((name, np.array([[value]], dtype=dtype), datatype))
-    for name, words in (("stop_words", stop), ("bad_words", bad_words)):
-        if words:
-            tensors.append((name, np.array([[w.encode() for w in words]], dtype=object), "BYTES"))
-    return tensors
-
-
-def infer_inputs(module, tensors: list[tuple[str, np.ndarray, str]]) -> list:
-    """tritonclient InferInput objects of `module` (http or grpc)."""
-    inputs = []
-    for name, value, datatype in tensors:
-        tensor = module.InferInput(name, list(value.shape), datatype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
-
-
 def generate(
     prompt: str,
     max_tokens: int = 128,
     *,
     url: str = DEFAULT_URL,
-    model: str = "ensemble",
+    model: str = ENSEMBLE,
     timeout: float = 600.0,
     **options,
 ) -> str:
@@ -118,7 +80,7 @@ def stream(
     max_tokens: int = 128,
     *,
     url: str = DEFAULT_GRPC_URL,
-    model: str = "tensorrt_llm_bls",
+    model: str = STREAMING_MODEL,
     timeout: float = 600.0,
     **options,
 ) -> Iterator[StreamChunk]:

@@ -1,5 +1,5 @@
-"""Triton Python-backend entry point; the logic lives in tritonllm.text_models."""
+"""Triton Python-backend entry point; the logic lives in tritonllm.backend.text_models."""
 
-from tritonllm.text_models import PostprocessingModel as TritonPythonModel
+from tritonllm.backend.text_models import PostprocessingModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

@@ -1,5 +1,5 @@
-"""Triton Python-backend entry point; the logic lives in tritonllm.engine_model."""
+"""Triton Python-backend entry point; the logic lives in tritonllm.backend.engine_model."""
 
-from tritonllm.engine_model import EngineModel as TritonPythonModel
+from tritonllm.backend.engine_model import EngineModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

@@ -1,5 +1,5 @@
-"""Triton Python-backend entry point; the logic lives in tritonllm.bls_model."""
+"""Triton Python-backend entry point; the logic lives in tritonllm.backend.bls_model."""
 
-from tritonllm.bls_model import StreamingModel as TritonPythonModel
+from tritonllm.backend.bls_model import StreamingModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

@@ -1,5 +1,5 @@
-"""Triton Python-backend entry point; the logic lives in tritonllm.bridge_model."""
+"""Triton Python-backend entry point; the logic lives in tritonllm.backend.bridge_model."""
 
-from tritonllm.bridge_model import BridgeModel as TritonPythonModel
+from tritonllm.backend.bridge_model import BridgeModel as TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU comparison on the lent NVIDIA H200 machine (no network): run from the repository root with
+# the bundle in .whl/gpu (built on a machine with pip, see docs/PERFORMANCE.md):
+#   tritonserver-min.tar.xz  the tritonserver 2.51 binary, Python backend, 3.12 stub and the libraries they
+#                          link, taken from the nvidia-pytriton 0.7.0 wheel (trimmed and stripped to fit one
+#                          transfer)
+#   numpy-1.26.4 (cp312)   the 2.51 stub corrupts BYTES tensors under numpy 2 (the image has 2.5)
+#   tritonclient-py.zip    tritonclient 2.51.0's Python package, python_rapidjson: the clients
+#   tokenizer.tgz          SmolLM2's tokenizer files (the random model has no tokenizer of its own)
+#   overlay/*.whl          optional: the project's transformers and tokenizers wheels, used instead of the
+#                          image's when they import there (the report names the transformers release)
+#   tools/py_spy-*.whl     optional: py-spy, for --profile-dir
+# Like shared recipe gpu-tritonserver.sh, it makes a venv with numpy 1.26 that links every other
+# package of the image except those that need numpy 2.
+set -eu
+bundle=.whl/gpu
+mkdir -p /tmp/pyt /tmp/tok
+tar xJf "$bundle/tritonserver-min.tar.xz" -C /tmp/pyt
+chmod +x /tmp/pyt/pytriton/tritonserver/bin/tritonserver /tmp/pyt/pytriton/tritonserver/python_backend_stubs/*/triton_python_backend_stub
+tar xzf "$bundle/tokenizer.tgz" -C /tmp/tok
+base_sp=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+python3 -m venv --without-pip /tmp/v312
+sp=$(/tmp/v312/bin/python3 -c 'import site; print(site.getsitepackages()[0])')
+python3 -m pip install -q --no-index --no-deps --upgrade --target "$sp" "$bundle"/*.whl
+python3 -m zipfile -e "$bundle/tritonclient-py.zip" "$sp"
+overlay=""
+if ls "$bundle"/overlay/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/overlay "$bundle"/overlay/*.whl
+  overlay="transformers tokenizers"
+fi
+link_image_packages() {  # every package of the image but those needing numpy 2 and those named in $1
+  for e in "$base_sp"/*; do
+    n=$(basename "$e")
+    case "$n" in
+      numpy*|scipy*|sklearn*|scikit_learn*|pandas*|numba*|cupy*|jax*|statsmodels*|seaborn*|matplotlib*|xarray*|skimage*|scikit_image*|pyarrow*|tensorstore*|opencv*|cv2*|onnx*|h5py*|tritonclient*) continue ;;
+    esac
+    for own in $1; do case "$n" in "$own"*) continue 2 ;; esac; done
+    [ -e "$sp/$n" ] || ln -s "$e" "$sp/$n"
+  done
+}
+if [ -n "$overlay" ]; then
+  cp -r /tmp/overlay/. "$sp"/
+  link_image_packages "$overlay"
+  if ! /tmp/v312/bin/python3 -c 'import transformers.generation.continuous_batching' 2>/tmp/overlay.err; then
+    echo "overlay does not import here, using the image's transformers: $(tail -1 /tmp/overlay.err)"
+    (cd /tmp/overlay && for n in *; do rm -rf "${sp:?}/$n"; done)
+    overlay=""
+  fi
+fi
+link_image_packages ""
+if ls "$bundle"/tools/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/tools "$bundle"/tools/*.whl
+  export PATH=/tmp/tools/bin:$PATH
+fi
+export PYTHONPATH=/tmp/pyt:$PWD PYTHONUNBUFFERED=1
+exec /tmp/v312/bin/python3 benchmarks/gpu_bench.py --tokenizer-dir /tmp/tok "$@"

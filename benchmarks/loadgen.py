@@ -1,0 +1,232 @@
+"""A small asynchronous load generator with token-level metrics, for `make perf` and `make bench`.
+
+genai-perf (run by `make perf`) measures the streaming model; this module measures what it
+cannot: the request/response `ensemble` and the engine alone fed the same token ids (the
+baseline of the pipeline-overhead ratio), with the same time to first token (TTFT),
+inter-token latency (ITL) and output tokens/s, so all targets are compared by one method.
+
+Targets:
+- `stream`: `tensorrt_llm_bls` over gRPC bidirectional streaming (TTFT and ITL are measured);
+- `ensemble`: text in, text out over HTTP /infer;
+- `engine`: the engine alone (`tensorrt_llm_bridge`) over HTTP /infer, with the token ids the
+  ensemble's preprocessing would produce: the baseline for the ensemble's overhead.
+Every request asks for exactly `max_tokens` tokens (`end_id` -1), so all targets do the same work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tritonllm.protocol import infer_inputs
+
+PROMPTS = Path(__file__).resolve().parent / "prompts.json"
+
+
+@dataclass
+class Record:
+    start: float
+    end: float
+    first_token: float | None  # streaming only
+    output_tokens: int
+    error: str | None = None
+
+
+@dataclass
+class LevelResult:
+    target: str
+    concurrency: int
+    requests: int
+    errors: int
+    duration_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_mean_ms: float | None
+    itl_p50_ms: float | None
+
+
+def load_prompts(path: Path = PROMPTS) -> list[str]:
+    return json.loads(path.read_text())["prompts"]
+
+
+def summarize(target: str, concurrency: int, records: Sequence[Record], duration: float | None = None) -> LevelResult:
+    """Rates over `duration` seconds, by default the span of the records' successful requests; records of
+    several separate runs pass the sum of their runs' spans, so time between the runs does not count."""
+    good = [r for r in records if r.error is None]
+    if not good:
+        raise RuntimeError(f"{target} at concurrency {concurrency}: every request failed: {records[0].error}")
+    duration = span(good) if duration is None else duration
+    latency = np.array([r.end - r.start for r in good]) * 1000
+    ttft = [(r.first_token - r.start) * 1000 for r in good if r.first_token is not None]
+    itl = [
+        (r.end - r.first_token) * 1000 / (r.output_tokens - 1)
+        for r in good
+        if r.first_token is not None and r.output_tokens > 1
+    ]
+    return LevelResult(
+        target=target,
+        concurrency=concurrency,
+        requests=len(good),
+        errors=len(records) - len(good),
+        duration_s=round(duration, 3),
+        requests_per_s=round(len(good) / duration, 3),
+        output_tokens_per_s=round(sum(r.output_tokens for r in good) / duration, 2),
+        latency_p50_ms=round(float(np.percentile(latency, 50)), 1),
+        latency_p99_ms=round(float(np.percentile(latency, 99)), 1),
+        ttft_p50_ms=round(float(np.percentile(ttft, 50)), 1) if ttft else None,
+        ttft_p99_ms=round(float(np.percentile(ttft, 99)), 1) if ttft else None,
+        itl_mean_ms=round(float(np.mean(itl)), 2) if itl else None,
+        itl_p50_ms=round(float(np.percentile(itl, 50)), 2) if itl else None,
+    )
+
+
+def span(records: Sequence[Record]) -> float:
+    """Seconds from the first start to the last end of the successful ones among `records` (0 when none)."""
+    good = [r for r in records if r.error is None]
+    return max(r.end for r in good) - min(r.start for r in good) if good else 0.0
+
+
+async def run_level(send: Callable[[int], Awaitable[Record]], concurrency: int, requests: int) -> list[Record]:
+    """`requests` calls of `send(i)`, `concurrency` at a time (closed loop: each worker sends its next when done)."""
+    counter = iter(range(requests))
+    records: list[Record] = []
+
+    async def worker() -> None:
+        for i in counter:
+            records.append(await send(i))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records
+
+
+class Targets:
+    """Builds `send(i)` coroutines for each target, over one gRPC and one HTTP aio client."""
+
+    def __init__(self, grpc_url: str, http_url: str, prompts: Sequence[str], max_tokens: int, tokenizer=None):
+        import tritonclient.grpc.aio as grpcaio
+        import tritonclient.http.aio as httpaio
+
+        self.grpc = grpcaio.InferenceServerClient(grpc_url)
+        self.http = httpaio.InferenceServerClient(http_url, conn_limit=256, conn_timeout=600)
+        self.prompts = list(prompts)
+        self.max_tokens = max_tokens
+        self.token_ids = None
+        if tokenizer is not None:  # what preprocessing makes of each prompt with apply_chat_template
+            self.token_ids = [
+                tokenizer(
+                    tokenizer.apply_chat_template(
+                        [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+                    ),
+                    add_special_tokens=False,
+                )["input_ids"]
+                for p in self.prompts
+            ]
+
+    async def close(self) -> None:
+        await self.grpc.close()
+        await self.http.close()
+
+    def _text_tensors(self, i: int, module, stream: bool) -> list:
+        from tritonllm.protocol import request_tensors
+
+        tensors = request_tensors(self.prompts[i % len(self.prompts)], self.max_tokens)
+        tensors.append(("end_id", np.array([[-1]], np.int32), "INT32"))
+        if stream:
+            tensors.append(("stream", np.array([[True]]), "BOOL"))
+        return infer_inputs(module, tensors)
+
+    async def stream(self, i: int) -> Record:
+        import tritonclient.grpc as grpcclient
+
+        inputs = self._text_tensors(i, grpcclient, stream=True)
+
+        async def requests():
+            yield {"model_name": "tensorrt_llm_bls", "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+        start = time.perf_counter()
+        first = record = None
+        # Read to the end of the stream (the server closes it after the final response): leaving early
+        # would cancel the call right after its final response.
+        async for result, error in self.grpc.stream_infer(requests()):
+            if error is not None:
+                record = Record(start, time.perf_counter(), None, 0, error.message())
+                continue
+            text = result.as_numpy("text_output")
+            if first is None and text is not None and text.reshape(-1)[0]:
+                first = time.perf_counter()
+            tokens = result.as_numpy("num_output_tokens")
+            if tokens is not None:
+                record = Record(start, time.perf_counter(), first, int(tokens.reshape(-1)[0]))
+        return record or Record(start, time.perf_counter(), first, 0, "the stream ended without a final response")
+
+    async def ensemble(self, i: int) -> Record:
+        import tritonclient.http as httpclient
+
+        start = time.perf_counter()
+        try:
+            result = await self.http.infer("ensemble", self._text_tensors(i, httpclient, stream=False))
+        except Exception as exc:
+            return Record(start, time.perf_counter(), None, 0, str(exc))
+        return Record(start, time.perf_counter(), None, int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
+
+    def _token_tensors(self, i: int) -> list[tuple]:
+        ids = self.token_ids[i % len(self.token_ids)]
+        return [
+            ("input_ids", np.array([ids], np.int32), "INT32"),
+            ("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
+            ("request_output_len", np.array([[self.max_tokens]], np.int32), "INT32"),
+        ]
+
+    async def engine_stream(self, i: int) -> Record:
+        """The engine model alone, streaming the token ids the ensemble's preprocessing makes."""
+        import tritonclient.grpc as grpcclient
+
+        inputs = infer_inputs(grpcclient, [*self._token_tensors(i), ("streaming", np.array([[True]]), "BOOL")])
+
+        async def requests():
+            yield {"model_name": "tensorrt_llm", "inputs": inputs, "request_id": uuid.uuid4().hex}
+
+        start = time.perf_counter()
+        first, tokens, error = None, 0, None
+        async for result, failed in self.grpc.stream_infer(requests()):
+            if failed is not None:
+                error = failed.message()
+                continue
+            length = result.as_numpy("sequence_length")
+            if length is not None and int(length.reshape(-1)[0]) > 0:
+                first = first or time.perf_counter()
+                tokens += int(length.reshape(-1)[0])
+        return Record(start, time.perf_counter(), first, tokens, error)
+
+    async def engine(self, i: int) -> Record:
+        import tritonclient.http as httpclient
+
+        start = time.perf_counter()
+        try:
+            result = await self.http.infer("tensorrt_llm_bridge", infer_inputs(httpclient, self._token_tensors(i)))
+        except Exception as exc:
+            return Record(start, time.perf_counter(), None, 0, str(exc))
+        return Record(start, time.perf_counter(), None, int(result.as_numpy("sequence_length").reshape(-1)[0]))
+
+
+async def sweep(targets: Targets, names: Sequence[str], levels: Sequence[int], requests_per_level) -> list[LevelResult]:
+    results = []
+    for name in names:
+        send = getattr(targets, name)
+        await run_level(send, 1, 2)  # warm-up: first requests of a target pay one-time costs
+        for concurrency in levels:
+            records = await run_level(send, concurrency, requests_per_level(concurrency))
+            results.append(summarize(name, concurrency, records))
+            print(json.dumps(asdict(results[-1])), flush=True)
+    return results

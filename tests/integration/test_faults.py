@@ -1,0 +1,221 @@
+"""Integration: faults. A killed engine, SIGTERM, client timeouts — bounded, loopback only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from client import GenerationError, generate, infer_inputs, request_tensors, stream
+from tests.conftest import BUILD, ROOT
+from tests.integration.test_streaming import wait_for_in_flight
+from tritonllm.launch.tritonserver import free_port, http_ready
+
+pytestmark = pytest.mark.integration
+
+
+class Serve:
+    """`python -m tritonllm.launch.serve` (what `make serve` runs) as a subprocess on free ports."""
+
+    def __init__(self, tmp_path, *extra: str, repository=BUILD / "model_repository") -> None:
+        self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        self.log = tmp_path / "serve.log"
+        command = [
+            sys.executable,
+            "-m",
+            "tritonllm.launch.serve",
+            "--repository",
+            str(repository),
+            "--http-port",
+            str(self.http),
+            "--grpc-port",
+            str(self.grpc),
+            "--metrics-port",
+            str(self.metrics),
+            "--openai-port",
+            "0",
+            *extra,
+        ]
+        self.process = subprocess.Popen(command, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        assert self.wait_ready(600), self.tail()
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.http}"
+
+    def ready(self) -> bool:
+        return http_ready(self.url)
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if self.ready():
+                return True
+            time.sleep(0.5)
+        return False
+
+    def tritonserver_pid(self) -> int:
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.process.pid), "-f", "tritonserver"], capture_output=True, text=True
+        )
+        return int(out.stdout.split()[0])
+
+    def engine_stub_pid(self) -> int:
+        server = str(self.tritonserver_pid())
+        out = subprocess.run(["pgrep", "-a", "-f", "tensorrt_llm/1/model.py"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if server in line.split():
+                return int(line.split()[0])
+        raise AssertionError(f"no engine stub of tritonserver {server}: {out}")
+
+    def engine_child_pid(self) -> int:
+        """The process of an engine built with --engine-process (tritonllm/engine/process.py)."""
+        out = subprocess.run(["pgrep", "-P", str(self.engine_stub_pid())], capture_output=True, text=True).stdout
+        (pid,) = out.split()
+        return int(pid)
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def in_background(function, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            result["value"] = function(*args, **kwargs)
+        except Exception as exc:
+            result["error"] = exc
+        result["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+@pytest.fixture(scope="module")
+def engine_process_build(tmp_path_factory, manifest):
+    """The default build with the engine in a process of its own (the default on CUDA)."""
+    from tritonllm.build.builder import main as build_main
+
+    build = tmp_path_factory.mktemp("engine-process")
+    assert build_main(["--model", manifest["model_dir"], "--build-dir", str(build), "--engine-process"]) == 0
+    return build
+
+
+def test_the_engine_in_its_own_process_answers_as_in_the_model_process(tmp_path, engine_process_build, server):
+    serve = Serve(tmp_path, "--watchdog-seconds", "0", repository=engine_process_build / "model_repository")
+    try:
+        prompt = "What is the capital of France?"
+        assert serve.engine_child_pid()
+        # Only the engine's process loads torch; the stub parses requests and sends responses.
+        assert "libtorch" not in Path(f"/proc/{serve.engine_stub_pid()}/maps").read_text()
+        assert "libtorch" in Path(f"/proc/{serve.engine_child_pid()}/maps").read_text()
+        assert generate(prompt, 16, url=serve.url) == generate(prompt, 16, url=server.http_url)
+        streamed = "".join(c.text for c in stream(prompt, 16, url=f"127.0.0.1:{serve.grpc}"))
+        assert streamed == generate(prompt, 16, url=server.http_url)
+    finally:
+        serve.stop()
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine-in-the-stub", "engine-process"])
+def test_killed_engine_fails_in_flight_requests_and_serving_comes_back(tmp_path, engine_process, request):
+    """Killing the engine model's process, or with --engine-process the engine's own (the stub then lives on and
+    the health probe finds its generation loop stopped)."""
+    build = request.getfixturevalue("engine_process_build") if engine_process else BUILD
+    serve = Serve(tmp_path, "--watchdog-seconds", "1", repository=build / "model_repository")
+    try:
+        answer = generate("What is the capital of France?", 12, url=serve.url)
+        thread, result = in_background(generate, "Tell me a very long story.", 400, url=serve.url, timeout=300)
+        time.sleep(2)
+        os.kill(serve.engine_child_pid() if engine_process else serve.engine_stub_pid(), signal.SIGKILL)
+        killed = time.monotonic()
+        thread.join(120)
+        assert "error" in result, f"the in-flight request did not fail: {result}"
+        assert time.monotonic() - killed < 60, "the in-flight request hung instead of failing"
+        # The server is restarted: not ready for a while, then ready, then answering as before.
+        deadline, seen_not_ready = time.monotonic() + 60, False
+        while time.monotonic() < deadline and not seen_not_ready:
+            seen_not_ready = not serve.ready()
+            time.sleep(0.2)
+        assert seen_not_ready, "health still said ready with a dead engine"
+        assert serve.wait_ready(600), serve.tail()
+        assert generate("What is the capital of France?", 12, url=serve.url) == answer
+        assert "restarting tritonserver" in serve.log.read_text()
+    finally:
+        serve.stop()
+
+
+def check_restricted_apis(serve: Serve) -> None:
+    """With an admin key, the model-repository and logging APIs need it; inference and health do not."""
+    for path, method in (("/v2/repository/index", "POST"), ("/v2/logging", "GET")):
+        for headers, expected in (
+            ({}, 403),
+            ({"tritonllm-admin-key": "wrong"}, 403),
+            ({"tritonllm-admin-key": "let-me-in"}, 200),
+        ):
+            request = urllib.request.Request(
+                f"http://{serve.url}{path}", method=method, headers=headers, data=b"{}" if method == "POST" else None
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    status = response.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            assert status == expected, (path, headers, status)
+    assert serve.ready()
+
+
+def test_sigterm_finishes_in_flight_requests_refuses_new_ones_and_exits_0(tmp_path):
+    serve = Serve(tmp_path, "--watchdog-seconds", "0", "--admin-key", "let-me-in")
+    try:
+        check_restricted_apis(serve)
+        running = [in_background(generate, f"Count slowly from one to {n}0.", 24, url=serve.url) for n in (5, 6, 7)]
+        time.sleep(1.5)
+        serve.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises((GenerationError, OSError)):
+            generate("Too late?", 4, url=serve.url, timeout=30)
+        for thread, result in running:
+            thread.join(120)
+            assert "value" in result, f"an in-flight request failed on SIGTERM: {result}"
+        assert serve.process.wait(90) == 0, serve.tail()
+    finally:
+        serve.stop()
+
+
+def test_client_timeout_ends_the_request_and_frees_its_slot(server):
+    assert wait_for_in_flight(server, 0) == 0
+    errors = []
+    triton = grpcclient.InferenceServerClient(f"{server.host}:{server.grpc_port}")
+    triton.start_stream(callback=lambda result, error: error and errors.append(error), stream_timeout=2)
+    tensors = [
+        *request_tensors("Tell me a very long story.", 3000),
+        ("stream", np.array([[True]]), "BOOL"),
+        ("end_id", np.array([[-1]], np.int32), "INT32"),
+    ]
+    triton.async_stream_infer("tensorrt_llm_bls", infer_inputs(grpcclient, tensors))
+    time.sleep(4)
+    triton.stop_stream()
+    triton.close()
+    assert errors and "Deadline" in errors[0].message()
+    assert wait_for_in_flight(server, 0) == 0, "the engine kept generating for a client that timed out"

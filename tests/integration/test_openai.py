@@ -1,0 +1,187 @@
+"""Integration: the OpenAI-compatible layer, driven with the official `openai` client, as users do."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+import tritonclient.grpc as grpcclient
+
+from client import generate, infer_inputs, request_tensors
+from tests.integration.test_streaming import wait_for_in_flight
+
+pytestmark = pytest.mark.integration
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def base_url(openai_frontend) -> str:
+    return openai_frontend()
+
+
+@pytest.fixture(scope="module")
+def api(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(api) -> str:
+    return api.models.list().data[0].id
+
+
+def chat(api, model, content=QUESTION, **options):
+    return api.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], **options)
+
+
+def stream_chat(api, model, content=QUESTION, **options) -> tuple[str, list]:
+    chunks = list(chat(api, model, content, stream=True, **options))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks
+
+
+def test_models(api, manifest, model):
+    assert model == manifest["tokenizer_dir"].rstrip("/").split("/")[-1]
+    assert api.models.retrieve(model).id == model
+
+
+def test_chat_equals_the_ensemble(api, model, tokenizer, server):
+    answer = chat(api, model, max_tokens=24)
+    assert answer.choices[0].message.content == generate(QUESTION, 24, url=server.http_url)
+    assert answer.choices[0].message.role == "assistant"
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert answer.usage.prompt_tokens == len(prompt)
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+    assert answer.choices[0].finish_reason == "stop"  # the model ended the sentence
+
+
+def test_chat_stream_equals_non_stream(api, model):
+    whole = chat(api, model, content="Write two sentences about the sea.", max_tokens=20)
+    text, chunks = stream_chat(
+        api, model, content="Write two sentences about the sea.", max_tokens=20, stream_options={"include_usage": True}
+    )
+    assert text == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finals] == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 20
+
+
+def test_completions_stream_and_not(api, model, server):
+    prompt = "The three primary colors are"
+    whole = api.completions.create(model=model, prompt=prompt, max_tokens=12)
+    assert whole.choices[0].text == generate(prompt, 12, url=server.http_url, chat=False)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
+    streamed = "".join(
+        c.choices[0].text
+        for c in api.completions.create(model=model, prompt=prompt, max_tokens=12, stream=True)
+        if c.choices
+    )
+    assert streamed == whole.choices[0].text
+
+
+@pytest.mark.parametrize("stop", ["Paris", ["is Par", "zebra"]])
+def test_stop_sequences(api, model, stop):
+    answer = chat(api, model, max_tokens=24, stop=stop)
+    content = answer.choices[0].message.content
+    assert answer.choices[0].finish_reason == "stop"
+    assert "Paris" not in content and content.startswith("The capital of France")
+    text, _ = stream_chat(api, model, max_tokens=24, stop=stop)
+    assert text == content
+
+
+def test_seeded_sampling_and_n(api, model):
+    first = chat(api, model, content="Write a short poem.", max_tokens=12, temperature=0.9, seed=5, n=2)
+    again = chat(api, model, content="Write a short poem.", max_tokens=12, temperature=0.9, seed=5, n=2)
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert [c.index for c in first.choices] == [0, 1]
+    single = chat(api, model, content="Write a short poem.", max_tokens=12)
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens, "the prompt is counted once, not per choice"
+    assert first.usage.completion_tokens == 24
+
+
+def test_errors_in_openai_format(api, model):
+    with pytest.raises(openai.NotFoundError) as err:
+        chat(api, "no-such-model", max_tokens=4)
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        chat(api, model, max_tokens=4, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        chat(api, model, max_tokens=4, top_p=0)
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        chat(api, model, max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match=r"maximum context length|input tokens"):
+        api.completions.create(model=model, prompt="word " * 5000, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        api.chat.completions.create(model=model, messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        chat(api, model, max_tokens=4, presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        chat(api, model, max_tokens=4, logprobs=True)
+
+
+def test_api_key(openai_frontend, model):
+    url = openai_frontend(api_key="s3cret")
+    for key in ("wrong", ""):
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key=key or "x", max_retries=0).models.list()
+    request = urllib.request.Request(f"{url}/models")  # no Authorization header at all
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    assert err.value.code == 401
+    good = openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0)
+    assert good.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+
+
+def test_sixteen_concurrent_streaming_chats(api, model):
+    prompts = [f"Name an animal that starts with {chr(65 + i)}." for i in range(16)]
+    expected = [chat(api, model, content=p, max_tokens=10).choices[0].message.content for p in prompts]
+    with ThreadPoolExecutor(16) as pool:
+        streamed = list(pool.map(lambda p: stream_chat(api, model, content=p, max_tokens=10)[0], prompts))
+    assert streamed == expected
+
+
+def test_disconnect_cancels_the_generation(api, model, server):
+    assert wait_for_in_flight(server, 0) == 0
+    stream = chat(api, model, content="Tell me a very long story.", max_tokens=3000, stream=True)
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    assert wait_for_in_flight(server, 1) == 1  # the gauge is refreshed every 0.2 s
+    stream.close()  # the client goes away mid-stream
+    assert wait_for_in_flight(server, 0) == 0, "the engine still generates for a client that left"
+
+
+def test_server_busy_is_429(api, model, server):
+    """More requests than the engine admits (max_batch_size + max_queue_size): the next one is refused."""
+    config = urllib.request.urlopen(f"http://{server.http_url}/v2/models/tensorrt_llm/config", timeout=30).read()
+    capacity = int(re.search(rb'"max_batch_size":\s*(\d+)', config).group(1))
+    capacity += int(re.search(rb'"max_queue_size":\{"string_value":"(\d+)"', config).group(1))
+    clients = []
+    try:
+        for i in range(capacity):
+            triton = grpcclient.InferenceServerClient(f"{server.host}:{server.grpc_port}")
+            triton.start_stream(callback=lambda result, error: None)
+            tensors = [
+                *request_tensors(f"Story {i}.", 2000),
+                ("stream", np.array([[True]]), "BOOL"),
+                ("end_id", np.array([[-1]], np.int32), "INT32"),
+            ]
+            triton.async_stream_infer("tensorrt_llm_bls", infer_inputs(grpcclient, tensors))
+            clients.append(triton)
+        assert wait_for_in_flight(server, capacity) == capacity
+        with pytest.raises(openai.RateLimitError, match="server busy"):
+            chat(api, model, max_tokens=4)
+    finally:
+        for triton in clients:
+            triton.stop_stream(cancel_requests=True)
+            triton.close()
+    assert wait_for_in_flight(server, 0) == 0
+    time.sleep(0.5)
+    assert chat(api, model, max_tokens=4).choices[0].message.content

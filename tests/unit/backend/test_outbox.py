@@ -1,0 +1,91 @@
+"""Unit: the sender thread's merging (tritonllm.backend.outbox) and the engine's emission merge rule."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tritonllm.backend.outbox import Outbox, coalesce
+from tritonllm.engine.api import Emission
+
+
+def join_text(a, b):
+    return a + b if isinstance(a, str) and isinstance(b, str) else None
+
+
+def test_coalesce_merges_per_key_and_keeps_order():
+    a, b = object(), object()
+    items = [(a, "x"), (b, "1"), (a, "y"), (b, 2), (a, "z"), (b, "3")]
+    assert coalesce(items, join_text) == [(a, "xyz"), (b, "1"), (b, 2), (b, "3")]
+
+
+def test_coalesce_keeps_equal_keys_apart_when_they_are_different_objects():
+    a, b = [], []  # equal, but two requests
+    assert coalesce([(a, "x"), (b, "y")], join_text) == [(a, "x"), (b, "y")]
+
+
+def test_emission_merge_joins_tokens_up_to_the_final_one():
+    merged = Emission.merge(Emission([1, 2]), Emission([3], finish_reason="length", time_to_first_token=0.5))
+    assert merged == Emission([1, 2, 3], finish_reason="length", time_to_first_token=0.5)
+    assert Emission.merge(Emission([1], finish_reason="length"), Emission([2])) is None
+    assert Emission.merge(Emission([1]), Emission([], finish_reason="error", error="boom")) is None
+
+
+def test_outbox_sends_each_item_alone_when_idle_and_merged_when_busy():
+    sent: list[tuple[object, str]] = []
+    release = threading.Event()
+
+    def send(key, item):
+        sent.append((key, item))
+        release.wait(5)  # the first send blocks while more items queue up
+
+    key = object()
+    box = Outbox("test-sender", send, join_text, tick=lambda: None, period=0.05, report=print)
+    try:
+        box.put(key, "a")
+        deadline = time.monotonic() + 5
+        while not sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for item in "bcd":
+            box.put(key, item)
+        release.set()
+        while len(sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        box.close()
+    assert sent == [(key, "a"), (key, "bcd")]
+
+
+def test_outbox_survives_a_failing_send_and_ticks():
+    sent, reports, ticks = [], [], []
+
+    def send(key, item):
+        if item == "bad":
+            raise RuntimeError("peer gone")
+        sent.append(item)
+
+    box = Outbox(
+        "test-sender", send, lambda a, b: None, tick=lambda: ticks.append(1), period=0.02, report=reports.append
+    )
+    try:
+        box.put("k1", "bad")
+        box.put("k2", "good")
+        deadline = time.monotonic() + 5
+        while (not sent or len(ticks) < 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        box.close()
+    assert sent == ["good"]
+    assert reports == ["sending a response failed"]
+    assert len(ticks) >= 2
+
+
+def test_close_sends_what_is_queued():
+    sent = []
+    box = Outbox(
+        "test-sender", lambda key, item: sent.append(item), join_text, tick=lambda: None, period=0.05, report=print
+    )
+    for item in "abc":
+        box.put(object(), item)
+    box.close()
+    assert sorted(sent) == ["a", "b", "c"]

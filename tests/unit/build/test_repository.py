@@ -1,0 +1,288 @@
+"""Rendering model_repository/ templates: a broken repository is refused, naming the model and field."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tritonllm.build.builder import BuildError, BuildPlan, parse_args, plan_portable
+from tritonllm.build.repository import TEMPLATES, RepositoryError, render_configs, write_repository
+
+PLAN = BuildPlan(
+    engine="portable",
+    model_dir="/models/m",
+    dtype="float32",
+    max_batch_size=8,
+    max_input_len=96,
+    max_seq_len=128,
+    vocab_size=1000,
+    engine_values={
+        "model_dir": "/models/m",
+        "dtype": "float32",
+        "kv_cache_tokens": "1024",
+        "max_batch_tokens": "64",
+        "cuda_graphs": "false",
+        "cudnn_attention": "false",
+        "compile": "false",
+        "async_batching": "false",
+        "fused_norms": "true",
+        "fused_projections": "true",
+        "cpu_niceness": "10",
+        "engine_process": "false",
+        "attention": "sdpa",
+        "engine_instance_kind": "KIND_CPU",
+    },
+)
+VALUES = PLAN.template_values()
+
+
+@pytest.fixture
+def templates(tmp_path) -> Path:
+    copy = tmp_path / "templates"
+    shutil.copytree(TEMPLATES, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def test_renders_every_model_with_derived_values():
+    configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
+    assert set(configs) == {
+        "preprocessing",
+        "tensorrt_llm",
+        "tensorrt_llm_bridge",
+        "postprocessing",
+        "ensemble",
+        "tensorrt_llm_bls",
+    }
+    assert all(c.max_batch_size == 8 for c in configs.values())
+    assert configs["tensorrt_llm"].model_transaction_policy.decoupled
+    assert not configs["tensorrt_llm_bridge"].model_transaction_policy.decoupled
+    assert configs["tensorrt_llm"].parameters["model_dir"].string_value == "/models/m"
+    assert configs["preprocessing"].parameters["max_input_len"].string_value == "96"
+
+
+def test_bridge_and_engine_share_their_tensors():
+    configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
+    assert list(configs["tensorrt_llm"].input) == list(configs["tensorrt_llm_bridge"].input)
+    assert list(configs["tensorrt_llm"].output) == list(configs["tensorrt_llm_bridge"].output)
+
+
+def test_streaming_model_has_the_ensembles_tensors():
+    configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
+    assert list(configs["ensemble"].input) == list(configs["tensorrt_llm_bls"].input)
+    assert list(configs["ensemble"].output) == list(configs["tensorrt_llm_bls"].output)
+    assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled
+
+
+def test_write_repository(tmp_path):
+    out = tmp_path / "repo"
+    models = write_repository(VALUES, out)
+    for name in models:
+        assert (out / name / "config.pbtxt").is_file() and (out / name / "1").is_dir()
+        assert "${" not in (out / name / "config.pbtxt").read_text()
+    assert (out / "preprocessing" / "1" / "model.py").is_file()
+
+
+@pytest.mark.parametrize(
+    ("model", "old", "new", "message"),
+    [
+        (
+            "preprocessing",
+            "${tokenizer_dir}",
+            "${tokenizer_folder}",
+            r"preprocessing/config.pbtxt: placeholder \$\{tokenizer_folder\}",
+        ),
+        (
+            "postprocessing",
+            "data_type: TYPE_STRING",
+            "data_type: TYPE_TEXT",
+            r"postprocessing/config.pbtxt: not a valid Triton model config",
+        ),
+        ("postprocessing", 'name: "postprocessing"', 'name: "postproc"', "expected the folder name"),
+        (
+            "ensemble",
+            'value: "_TOKENS_BATCH"',
+            'value: "_TOKENS"',
+            "input 'TOKENS_BATCH' reads '_TOKENS_BATCH', which nothing before it produces",
+        ),
+        ("ensemble", 'key: "STOP_WORDS_DICT"', 'key: "STOP_WORDS"', "'STOP_WORDS' is not an input of preprocessing"),
+        (
+            "ensemble",
+            'input_map { key: "REQUEST_OUTPUT_LEN" value: "max_tokens" }',
+            "",
+            r"required inputs \['REQUEST_OUTPUT_LEN'\]",
+        ),
+        ("ensemble", 'model_name: "tensorrt_llm_bridge"', 'model_name: "tensorrt_llm"', "decoupled"),
+        ("ensemble", 'model_name: "postprocessing"', 'model_name: "detokenizer"', "no model named 'detokenizer'"),
+        (
+            "_shared/text_io.pbtxt",
+            '{ name: "top_k" data_type: TYPE_INT32',
+            '{ name: "top_k" data_type: TYPE_FP32',
+            "'TOP_K' is TYPE_INT32 but 'top_k' is TYPE_FP32",
+        ),
+        (
+            "ensemble",
+            'output_map { key: "OUTPUT" value: "text_output" }',
+            'output_map { key: "OUTPUT" value: "text" }',
+            "output 'text_output' is produced by no step",
+        ),
+    ],
+)
+def test_broken_templates_are_refused(templates, tmp_path, model, old, new, message):
+    edit(templates / model if model.endswith(".pbtxt") else templates / model / "config.pbtxt", old, new)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sentinel").write_text("previous build")
+    with pytest.raises(RepositoryError, match=message):
+        write_repository(VALUES, out, templates)
+    assert (out / "sentinel").read_text() == "previous build", "a failed render must not touch the old repository"
+
+
+def test_unused_value_is_refused():
+    with pytest.raises(RepositoryError, match=re.escape("values ['typo_value'] are used by no template")):
+        render_configs({**VALUES, "typo_value": "1"})
+
+
+def test_batch_size_above_a_step_is_refused(templates):
+    edit(templates / "postprocessing" / "config.pbtxt", "max_batch_size: ${triton_max_batch_size}", "max_batch_size: 2")
+    with pytest.raises(RepositoryError, match="max_batch_size 2 is below the ensemble's 8"):
+        render_configs(VALUES, templates)
+
+
+@pytest.mark.parametrize("flag", ["--cuda-graphs", "--cudnn-attention", "--compile", "--async-batching"])
+@pytest.mark.parametrize(
+    ("argv", "cuda", "expected"),
+    [
+        (["--device", "cuda", "FLAG"], True, "true"),
+        (["--device", "cuda", "NO_FLAG"], True, "false"),
+        (["--device", "cpu", "FLAG"], True, "false"),  # CUDA only
+        (["FLAG"], False, "false"),  # auto picks the CPU here
+    ],
+)
+def test_cuda_options_are_rendered_only_on_cuda(manifest, monkeypatch, flag, argv, cuda, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    flags = {"FLAG": flag, "NO_FLAG": "--no-" + flag[2:]}
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args([flags.get(a, a) for a in argv]))
+    assert plan.engine_values[flag[2:].replace("-", "_")] == expected
+
+
+# cuDNN attention: with CUDA graphs one cuDNN graph build per captured graph, without them one per new batch
+# shape (every few steps). Async batching was measured with graphs only.
+@pytest.mark.parametrize("option", ["cudnn_attention", "async_batching"])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], "true"),  # CUDA graphs are the default on CUDA
+        (["--no-cuda-graphs"], "false"),
+        (["--no-OPTION"], "false"),
+        (["--no-cuda-graphs", "--OPTION"], "true"),
+    ],
+)
+def test_options_follow_cuda_graphs_unless_asked(manifest, monkeypatch, option, argv, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = [a.replace("OPTION", option.replace("_", "-")) for a in argv]
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
+    assert plan.engine_values[option] == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--device", "cuda"], "true"),
+        (["--device", "cuda", "--no-engine-process"], "false"),
+        (["--device", "cpu"], "false"),
+        (["--device", "cpu", "--engine-process"], "true"),  # runs on the CPU too (tests/unit/engine/test_process.py)
+    ],
+)
+def test_engine_process_follows_the_device_unless_asked(manifest, monkeypatch, argv, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    assert plan.engine_values["engine_process"] == expected
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], "false"), (["--compile"], "true")])
+def test_compile_is_asked_for(manifest, monkeypatch, argv, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
+    assert plan.engine_values["compile"] == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "cuda", "expected"),
+    [
+        (["--device", "cuda"], True, "varlen"),  # auto: per-request attention where it runs
+        (["--device", "cuda", "--attention", "sdpa"], True, "sdpa"),
+        ([], False, "sdpa"),  # auto picks the CPU here, where the FlashAttention kernel does not run
+        (["--device", "cuda", "--dtype", "float32"], True, "sdpa"),  # FlashAttention takes 16-bit types only
+    ],
+)
+def test_attention_is_varlen_on_cuda_unless_asked(manifest, monkeypatch, argv, cuda, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    assert plan.engine_values["attention"] == expected
+
+
+def test_varlen_attention_on_cpu_is_refused_with_what_to_do(manifest):
+    with pytest.raises(BuildError, match=r"--attention varlen: .*use --attention sdpa on CPU"):
+        plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cpu", "--attention", "varlen"]))
+
+
+def test_varlen_attention_in_float32_is_refused_with_what_to_do(manifest, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = ["--device", "cuda", "--dtype", "float32", "--attention", "varlen"]
+    with pytest.raises(BuildError, match=r"--attention varlen: .*bfloat16 or float16 only.*not float32"):
+        plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+
+
+def test_python_backend_threads_cover_every_admitted_request(tmp_path):
+    """A decoupled BLS call holds a Python-backend thread until its first response (the bridge's
+    whole answer): the pool is sized for running + waiting requests, and the server is started with it."""
+    from dataclasses import replace
+
+    from tritonllm.launch.tritonserver import TritonServer
+
+    assert PLAN.server_options() == ["--backend-config=python,thread-pool-size=48"]  # 8 running + 8 waiting + 32
+    bigger = replace(PLAN, max_batch_size=256, max_queue_size=512)
+    assert bigger.server_options() == ["--backend-config=python,thread-pool-size=800"]
+    (tmp_path / "manifest.json").write_text(json.dumps({"server_options": bigger.server_options()}))
+    command = TritonServer(tmp_path / "model_repository", tmp_path / "tritonserver").command()
+    assert "--backend-config=python,thread-pool-size=800" in command
+
+
+@pytest.mark.parametrize("fusion", ["fused_norms", "fused_projections"])
+@pytest.mark.parametrize(("flag", "expected"), [("", "true"), ("--no-", "false")])
+def test_fusions_are_on_unless_asked(manifest, fusion, flag, expected):
+    argv = [flag + fusion.replace("_", "-")] if flag else []
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    assert plan.engine_values[fusion] == expected
+
+
+@pytest.mark.parametrize(("argv", "expected"), [([], "10"), (["--cpu-niceness", "0"], "0")])
+def test_cpu_niceness_reaches_the_engine_config(manifest, argv, expected):
+    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    assert plan.engine_values["cpu_niceness"] == expected
+
+
+def test_cpu_niceness_out_of_range_is_refused_naming_the_limit(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu-niceness", "25"])
+    assert "--cpu-niceness: must be from 0 to 19, got 25" in capsys.readouterr().err

@@ -1,0 +1,142 @@
+"""The engine in a child process (tritonllm/engine/process.py): the same answers as in-process, cancellation,
+and what its callers see when the child dies or fails to start."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tritonllm.engine.api import (
+    FINISH_CANCELLED,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    Emission,
+    EngineConfig,
+    GenerationRequest,
+    SamplingParams,
+)
+from tritonllm.engine.portable import PortableEngine
+from tritonllm.engine.process import EngineProcess, EngineProcessError
+from tritonllm.protocol import MAX_WORD_SEQUENCES
+
+
+def small(manifest) -> EngineConfig:
+    return EngineConfig(manifest["model_dir"], dtype=manifest["dtype"], max_batch_size=4, max_seq_len=512)
+
+
+@pytest.fixture(scope="module")
+def child(manifest):
+    engine = EngineProcess(small(manifest))
+    yield engine
+    engine.shutdown()
+
+
+def wait_for(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_answers_equal_the_engine_in_process(child, manifest, tokenizer):
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    banned = (tuple(tokenizer.encode(" Paris", add_special_tokens=False)),)
+    requests = [
+        GenerationRequest(ids, 12, end_id=tokenizer.eos_token_id),
+        GenerationRequest(ids, 12, bad_words=banned),
+        GenerationRequest(ids, 12, sampling=SamplingParams(True, 0.8, 0, 0.9, 5)),
+        GenerationRequest(ids, 12, stop_words=((13,),)),
+    ]
+    here = PortableEngine(small(manifest))
+    try:
+        expected = [here.generate(r, timeout=120) for r in requests]
+    finally:
+        here.shutdown()
+    # All at once, so they share the child's batch.
+    results: list = [None] * len(requests)
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, child.generate(requests[i], timeout=120)))
+        for i in range(len(requests))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == expected
+
+
+def test_a_stream_arrives_token_by_token_in_order(child):
+    emissions: list[Emission] = []
+    child.submit(GenerationRequest([1, 2, 3, 4], 6, streaming=True), emissions.append)
+    wait_for(lambda: emissions and emissions[-1].final)
+    assert [e.final for e in emissions] == [False] * (len(emissions) - 1) + [True]
+    assert sum(len(e.token_ids) for e in emissions) == 6
+    assert emissions[-1].finish_reason == FINISH_LENGTH and emissions[-1].time_to_first_token > 0
+    assert child.running() == 0
+
+
+def test_cancel_frees_the_request(child):
+    emissions: list[Emission] = []
+    request_id = child.submit(GenerationRequest([1, 2, 3], 400, streaming=True), emissions.append)
+    wait_for(lambda: emissions)  # generating
+    assert child.running() == 1
+    wait_for(lambda: child.in_batch() == 1)  # the child's load report
+    child.cancel(request_id)
+    wait_for(lambda: emissions[-1].final)
+    assert emissions[-1].finish_reason == FINISH_CANCELLED
+    assert child.running() == 0
+    wait_for(lambda: child.in_batch() == 0)
+
+
+def test_refuses_what_the_engine_refuses_before_sending(child):
+    with pytest.raises(ValueError, match="bad words"):
+        child.submit(GenerationRequest([1], 2, bad_words=((5,),) * (MAX_WORD_SEQUENCES + 1)), lambda e: None)
+    assert child.running() == 0
+
+
+def test_a_dead_child_fails_its_requests_and_every_later_one(manifest):
+    engine = EngineProcess(small(manifest))
+    emissions: list[Emission] = []
+    engine.submit(GenerationRequest([1, 2, 3], 400), emissions.append)
+    wait_for(lambda: engine.in_batch() == 1)
+    os.kill(engine._process.pid, signal.SIGKILL)
+    wait_for(lambda: emissions)
+    (failed,) = emissions
+    assert failed.finish_reason == FINISH_ERROR and "exited with code -9" in failed.error
+    assert not engine.alive() and engine.running() == 0
+    later: list[Emission] = []
+    engine.submit(GenerationRequest([1], 2), later.append)
+    assert later[0].finish_reason == FINISH_ERROR
+    engine.shutdown()
+
+
+def test_the_child_exits_when_its_parent_dies(manifest):
+    """A killed engine model's process closes the socket, and the child exits: no orphan holds a GPU's memory."""
+    parent = (
+        "import os, signal, sys\n"
+        "from tritonllm.engine.api import EngineConfig\n"
+        "from tritonllm.engine.process import EngineProcess\n"
+        "engine = EngineProcess(EngineConfig(sys.argv[1], max_batch_size=2, max_seq_len=256))\n"
+        "print(engine._process.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", parent, manifest["model_dir"]], capture_output=True, text=True)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    stat = Path(f"/proc/{int(run.stdout.split()[0])}/stat")
+    # Gone, or a zombie that nobody reaped (a container's first process may not).
+    wait_for(lambda: not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+def test_a_failed_start_says_why(tmp_path):
+    with pytest.raises(EngineProcessError, match=r"process failed to start: OSError: .*missing"):
+        EngineProcess(EngineConfig(str(tmp_path / "missing")))

@@ -1,0 +1,101 @@
+"""Preprocessing: prompts to engine inputs, and every limit refused with a message naming the input."""
+
+import numpy as np
+import pytest
+
+from tritonllm.errors import InputError
+from tritonllm.protocol import MAX_WORDS
+from tritonllm.text.tokenization import Limits, Preprocessor, parse_word_list, word_list
+
+LIMITS = Limits(max_input_len=64, max_seq_len=96, vocab_size=49152)
+
+
+@pytest.fixture(scope="module")
+def pre(tokenizer):
+    return Preprocessor(tokenizer, LIMITS)
+
+
+def request(*texts, max_tokens=8, **extra):
+    arrays = {
+        "QUERY": np.array([[t if isinstance(t, bytes) else t.encode()] for t in texts], dtype=object),
+        "REQUEST_OUTPUT_LEN": np.full((len(texts), 1), max_tokens, dtype=np.int32),
+    }
+    arrays.update(extra)
+    return arrays
+
+
+def test_outputs_match_the_tokenizer(pre, tokenizer):
+    [out] = pre.process([request("Hello world", "中国的首都是")])
+    for row, text in enumerate(["Hello world", "中国的首都是"]):
+        ids = tokenizer(text)["input_ids"]
+        assert out["REQUEST_INPUT_LEN"][row, 0] == len(ids)
+        assert out["INPUT_ID"][row, : len(ids)].tolist() == ids
+    assert out["INPUT_ID"].dtype == np.int32
+    assert out["REQUEST_OUTPUT_LEN"].tolist() == [[8], [8]]
+    assert out["OUT_END_ID"].tolist() == [[tokenizer.eos_token_id]] * 2
+    assert out["STOP_WORDS_IDS"].shape[:2] == (2, 2)
+
+
+def test_batch_of_requests_each_answered(pre):
+    results = pre.process([request("one"), request(""), request("three", max_tokens=0), request("four")])
+    assert isinstance(results[0], dict) and isinstance(results[3], dict)
+    assert isinstance(results[1], InputError) and results[1].field == "text_input"
+    assert isinstance(results[2], InputError) and results[2].field == "max_tokens"
+
+
+def test_chat_template_applied(pre, tokenizer):
+    [out] = pre.process([request("Hi", APPLY_CHAT_TEMPLATE=np.array([[True]]))])
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert out["INPUT_ID"][0].tolist() == list(expected)
+
+
+@pytest.mark.parametrize(
+    ("arrays", "field", "words"),
+    [
+        (request("   "), "text_input", "empty"),
+        (request(b"\xff\xfe"), "text_input", "UTF-8"),
+        (request("hi", max_tokens=0), "max_tokens", "between 1 and"),
+        (request("hi", max_tokens=-5), "max_tokens", "between 1 and"),
+        (request("hi", max_tokens=10_000), "max_tokens", "max sequence length 96"),
+        (request("word " * 100), "text_input", "maximum input length of 64"),
+        (request("hi", TEMPERATURE=np.array([[-1.0]], np.float32)), "temperature", ">= 0"),
+        (request("hi", TEMPERATURE=np.array([[np.nan]], np.float32)), "temperature", "finite"),
+        (request("hi", TOP_P=np.array([[0.0]], np.float32)), "top_p", "(0, 1]"),
+        (request("hi", TOP_P=np.array([[1.5]], np.float32)), "top_p", "(0, 1]"),
+        (request("hi", TOP_K=np.array([[-1]], np.int32)), "top_k", ">= 0"),
+        (request("hi", END_ID=np.array([[10**6]], np.int32)), "end_id", "below 49152"),
+        (request("hi", STOP_WORDS_DICT=np.array([[b"x"] * (MAX_WORDS + 1)], dtype=object)), "stop_words", "limit"),
+        (request("hi", BAD_WORDS_DICT=np.array([[b"x" * 1000]], dtype=object)), "bad_words", "bytes"),
+        (request("hi", STOP_WORDS_DICT=np.array([[b"\xc3"]], dtype=object)), "stop_words", "UTF-8"),
+    ],
+)
+def test_bad_inputs_name_the_field(pre, arrays, field, words):
+    [result] = pre.process([arrays])
+    assert isinstance(result, InputError)
+    assert result.field == field
+    assert words in str(result)
+
+
+def test_missing_max_tokens(pre):
+    arrays = request("hi")
+    del arrays["REQUEST_OUTPUT_LEN"]
+    [result] = pre.process([arrays])
+    assert isinstance(result, InputError) and result.field == "max_tokens"
+
+
+def test_stop_words_with_and_without_leading_space(pre, tokenizer):
+    [out] = pre.process([request("hi", STOP_WORDS_DICT=np.array([[b"Paris", b""]], dtype=object))])
+    words = parse_word_list(out["STOP_WORDS_IDS"][0])
+    assert tuple(tokenizer.encode("Paris", add_special_tokens=False)) in words
+    assert tuple(tokenizer.encode(" Paris", add_special_tokens=False)) in words
+
+
+def test_word_list_round_trip():
+    words = ((5,), (7, 8, 9), (1, 2))
+    array = word_list(words)
+    assert array.dtype == np.int32 and array.shape == (2, 6)
+    assert array[1].tolist() == [1, 4, 6, -1, -1, -1]
+    assert parse_word_list(array) == words
+    assert parse_word_list(word_list([])) == ()

@@ -1,0 +1,502 @@
+"""The TensorRT-LLM flavor, checked on CPU against TensorRT-LLM 1.2.1's documented formats.
+
+No engine is built or loaded here (that needs a GPU and NVIDIA's image): these tests check the
+engine config.json reading, the rendered repository, the version lock, the exact calls the build
+makes into tensorrt_llm's API (through a recording stand-in), and the docker/MPI command lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tritonllm import versions
+from tritonllm.build.builder import BuildError, plan_trtllm
+from tritonllm.build.repository import render_configs, write_repository
+from tritonllm.launch import container, serve_trtllm
+from tritonllm.launch.serve_trtllm import load_build
+from tritonllm.launch.tritonserver import (
+    ADMIN_HEADER,
+    CONTAINER_BINARY,
+    CONTAINER_PORTS,
+    RESTRICTED_APIS,
+    server_command,
+)
+from tritonllm.trtllm import docker
+from tritonllm.trtllm.engine_build import TrtllmApi, TrtllmBuildError, TrtllmBuildOptions, build_engine
+from tritonllm.trtllm.engine_dir import EngineError, check_version, read_engine
+
+
+def engine_config(**build_overrides) -> dict:
+    """An engine config.json as Engine.save writes it (layout of TensorRT-LLM 1.x, builder.py)."""
+    build = {
+        "max_input_len": 2048,
+        "max_seq_len": 4096,
+        "max_batch_size": 64,
+        "max_beam_width": 1,
+        "max_num_tokens": 8192,
+        "kv_cache_type": "PAGED",
+        "plugin_config": {"gpt_attention_plugin": "auto", "remove_input_padding": True, "tokens_per_block": 32},
+    }
+    build.update(build_overrides)
+    return {
+        "version": "1.2.1",
+        "pretrained_config": {
+            "architecture": "LlamaForCausalLM",
+            "dtype": "bfloat16",
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "max_position_embeddings": 8192,
+            "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1, "cp_size": 1, "gpus_per_node": 8},
+            "quantization": {"quant_algo": None, "kv_cache_quant_algo": None},
+        },
+        "build_config": build,
+    }
+
+
+def write_engine(path: Path, config: dict | None = None, ranks: int = 1) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config or engine_config()))
+    for rank in range(ranks):
+        (path / f"rank{rank}.engine").write_bytes(b"not a real engine")
+    return path
+
+
+@pytest.fixture
+def engine_dir(tmp_path) -> Path:
+    return write_engine(tmp_path / "engine")
+
+
+@pytest.fixture
+def tokenizer_dir(manifest) -> Path:
+    return Path(manifest["tokenizer_dir"])
+
+
+def args(**overrides) -> argparse.Namespace:
+    base = {"max_batch_size": 0, "kv_cache_free_gpu_mem_fraction": 0.85}
+    base.update(overrides)
+    return argparse.Namespace(**base)
+
+
+# ---------------------------------------------------------------- engine folder and version lock
+
+
+def test_engine_values_come_from_config_json(engine_dir):
+    info = read_engine(engine_dir)
+    assert (info.version, info.dtype, info.max_batch_size, info.max_input_len, info.max_seq_len) == (
+        "1.2.1",
+        "bfloat16",
+        64,
+        2048,
+        4096,
+    )
+    assert info.world_size == 1 and info.vocab_size == 49152
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda p: (p / "config.json").unlink(), "has no config.json"),
+        (lambda p: (p / "rank0.engine").unlink(), "lacks rank0.engine"),
+        (lambda p: (p / "config.json").write_text(json.dumps({"pretrained_config": {}})), "pre-0.8 engine"),
+        (lambda p: (p / "config.json").write_text(json.dumps(engine_config(kv_cache_type="CONTINUOUS"))), "paged KV"),
+    ],
+)
+def test_broken_engine_folders_are_refused(engine_dir, change, message):
+    change(engine_dir)
+    with pytest.raises(EngineError, match=message):
+        read_engine(engine_dir)
+
+
+def test_missing_engine_folder(tmp_path):
+    with pytest.raises(EngineError, match="does not exist: build it with `make build ENGINE=trtllm`"):
+        read_engine(tmp_path / "nothing")
+
+
+def test_parallel_engine_needs_every_rank(tmp_path):
+    config = engine_config()
+    config["pretrained_config"]["mapping"].update(world_size=4, tp_size=2, pp_size=2)
+    path = write_engine(tmp_path / "tp2pp2", config, ranks=3)
+    with pytest.raises(EngineError, match=r"lacks rank3.engine \(tp 2 x pp 2\)"):
+        read_engine(path)
+    (path / "rank3.engine").write_bytes(b"x")
+    assert read_engine(path).world_size == 4
+
+
+def test_version_mismatch_is_refused_with_both_versions(engine_dir):
+    info = read_engine(engine_dir)
+    check_version(info, "1.2.1")
+    with pytest.raises(EngineError) as err:
+        check_version(info, "1.1.0")
+    message = str(err.value)
+    assert "built by TensorRT-LLM 1.2.1" in message and "runs TensorRT-LLM 1.1.0" in message
+    assert "make build ENGINE=trtllm" in message
+
+
+def test_dockerfile_pins_the_same_release():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(rf"^ARG TRITON_TAG={re.escape(versions.TRITON_TAG)}$", dockerfile, re.M)
+    assert "FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-trtllm-python-py3 AS trtllm" in dockerfile
+    assert "FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-py3 AS portable" in dockerfile
+    assert versions.TRTLLM_VERSION == "1.2.1"  # what Triton 26.04-26.07 ship (NVIDIA's compatibility matrix)
+    assert docker.IMAGE_TAG.endswith(versions.TRITON_TAG)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def trtllm_values(engine_dir: Path, tokenizer_dir: Path, **overrides) -> dict[str, str]:
+    return plan_trtllm(tokenizer_dir, engine_dir, args(**overrides)).template_values()
+
+
+def test_rendered_trtllm_repository(engine_dir, tokenizer_dir, tmp_path):
+    configs = {n: c for n, (_, c) in render_configs(trtllm_values(engine_dir, tokenizer_dir), flavor="trtllm").items()}
+    engine = configs["tensorrt_llm"]
+    assert engine.backend == "tensorrtllm"
+    assert engine.model_transaction_policy.decoupled
+    params = {k: v.string_value for k, v in engine.parameters.items()}
+    assert params["gpt_model_type"] == "inflight_fused_batching"
+    assert params["gpt_model_path"] == str(engine_dir)
+    assert params["max_beam_width"] == "1"
+    assert params["exclude_input_in_output"] == "true"
+    assert params["enable_kv_cache_reuse"] == "true"
+    assert params["kv_cache_free_gpu_mem_fraction"] == "0.85"
+    assert all(c.max_batch_size == 64 for c in configs.values())
+    assert configs["preprocessing"].parameters["max_input_len"].string_value == "2048"
+    assert configs["preprocessing"].parameters["max_seq_len"].string_value == "4096"
+    out = tmp_path / "repo"
+    write_repository(trtllm_values(engine_dir, tokenizer_dir), out, flavor="trtllm")
+    assert not (out / "tensorrt_llm" / "1" / "model.py").exists(), "the C++ backend needs no model.py"
+    assert (out / "tensorrt_llm" / "1").is_dir()
+
+
+def test_client_facing_io_is_identical_in_both_flavors(engine_dir, tokenizer_dir):
+    trt = {n: c for n, (_, c) in render_configs(trtllm_values(engine_dir, tokenizer_dir), flavor="trtllm").items()}
+    from tests.unit.build.test_repository import VALUES
+
+    portable = {n: c for n, (_, c) in render_configs(VALUES).items()}
+    assert set(trt) == set(portable)
+    for name in ("ensemble", "tensorrt_llm_bls"):
+        assert list(trt[name].input) == list(portable[name].input)
+        assert list(trt[name].output) == list(portable[name].output)
+    assert trt["ensemble"].ensemble_scheduling == portable["ensemble"].ensemble_scheduling
+    assert list(trt["tensorrt_llm"].input) == list(portable["tensorrt_llm"].input)
+    assert list(trt["tensorrt_llm"].output) == list(portable["tensorrt_llm"].output)
+
+
+def test_triton_batch_size_cannot_exceed_the_engines(engine_dir, tokenizer_dir):
+    assert trtllm_values(engine_dir, tokenizer_dir, max_batch_size=32)["triton_max_batch_size"] == "32"
+    with pytest.raises(EngineError, match="larger than the engine's max_batch_size 64"):
+        trtllm_values(engine_dir, tokenizer_dir, max_batch_size=128)
+
+
+def test_tokenizer_folder_must_exist(engine_dir, tmp_path):
+    with pytest.raises(BuildError, match="has no tokenizer files"):
+        plan_trtllm(tmp_path, engine_dir, args())
+
+
+# ---------------------------------------------------------------- the build: calls into tensorrt_llm
+
+
+class Recorder:
+    """Stands in for tensorrt_llm's API and records every call made to it."""
+
+    def __init__(self, architectures=("LlamaForCausalLM",)):
+        self.calls: list[tuple] = []
+        recorder = self
+
+        class Mapping:
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
+                recorder.calls.append(("Mapping", kwargs))
+
+        class PluginConfig:
+            def __setattr__(self, name, value):
+                recorder.calls.append(("plugin", name, value))
+                object.__setattr__(self, name, value)
+
+        class BuildConfig:
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
+                self.plugin_config = PluginConfig()
+                recorder.calls.append(("BuildConfig", kwargs))
+
+        class QuantConfig:
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
+                recorder.calls.append(("QuantConfig", kwargs))
+
+        class QuantAlgo:
+            def __getattr__(self, name):
+                return f"QuantAlgo.{name}"
+
+        class Engine:
+            def save(self, path):
+                recorder.calls.append(("save", path))
+
+        class Model:
+            @classmethod
+            def from_hugging_face(cls, hf_dir, **kwargs):
+                recorder.calls.append(("from_hugging_face", hf_dir, kwargs["mapping"].kwargs, kwargs["dtype"]))
+                return cls()
+
+            @classmethod
+            def quantize(cls, hf_dir, out_dir, **kwargs):
+                recorder.calls.append(("quantize", hf_dir, out_dir, kwargs))
+
+            @classmethod
+            def from_checkpoint(cls, ckpt_dir, rank):
+                recorder.calls.append(("from_checkpoint", ckpt_dir, rank))
+                return cls()
+
+        def build(model, config):
+            recorder.calls.append(("build", config.kwargs["max_batch_size"]))
+            return Engine()
+
+        self.api = TrtllmApi(
+            version="1.2.1",
+            Mapping=Mapping,
+            BuildConfig=BuildConfig,
+            build=build,
+            QuantConfig=QuantConfig,
+            QuantAlgo=QuantAlgo(),
+            MODEL_MAP={a: Model for a in architectures},
+        )
+
+    def named(self, name: str) -> list[tuple]:
+        return [c for c in self.calls if c[0] == name]
+
+
+def run_build(tmp_path: Path, tokenizer_dir: Path, **options) -> Recorder:
+    recorder = Recorder()
+    build_engine(TrtllmBuildOptions(**options), tokenizer_dir, tmp_path / "engine", tmp_path / "work", recorder.api)
+    return recorder
+
+
+def test_plain_build_converts_and_compiles_one_rank(tmp_path, tokenizer_dir):
+    rec = run_build(tmp_path, tokenizer_dir, dtype="float16", max_batch_size=32, max_input_len=1024, max_seq_len=2048)
+    assert rec.named("QuantConfig") == [
+        ("QuantConfig", {"quant_algo": None, "kv_cache_quant_algo": None, "group_size": 128})
+    ]
+    assert rec.named("from_hugging_face") == [
+        ("from_hugging_face", str(tokenizer_dir), {"world_size": 1, "rank": 0, "tp_size": 1, "pp_size": 1}, "float16")
+    ]
+    [(_, build_kwargs)] = rec.named("BuildConfig")
+    assert build_kwargs == {
+        "max_batch_size": 32,
+        "max_input_len": 1024,
+        "max_seq_len": 2048,
+        "max_num_tokens": 8192,
+        "max_beam_width": 1,
+        "output_timing_cache": str(tmp_path / "work" / "model.cache"),
+    }
+    plugins = {c[1]: c[2] for c in rec.named("plugin")}
+    assert plugins == {
+        "remove_input_padding": True,
+        "context_fmha": True,
+        "use_paged_context_fmha": True,
+        "tokens_per_block": 32,
+        "gemm_plugin": "auto",
+    }
+    assert rec.named("build") == [("build", 32)]
+    assert rec.named("save") == [("save", str(tmp_path / "engine"))]
+    assert not rec.named("quantize")
+
+
+def test_tensor_and_pipeline_parallel_build_every_rank(tmp_path, tokenizer_dir):
+    rec = run_build(tmp_path, tokenizer_dir, tp_size=2, pp_size=2)
+    mappings = [c[2] for c in rec.named("from_hugging_face")]
+    assert mappings == [{"world_size": 4, "rank": r, "tp_size": 2, "pp_size": 2} for r in range(4)]
+    assert len(rec.named("build")) == 4 and len(rec.named("save")) == 4
+    assert len(rec.named("BuildConfig")) == 4, "build() mutates its inputs: a fresh config per rank"
+
+
+@pytest.mark.parametrize(("quant", "algo"), [("int8_wo", "QuantAlgo.W8A16"), ("int4_wo", "QuantAlgo.W4A16")])
+def test_weight_only_quantization_happens_in_conversion(tmp_path, tokenizer_dir, quant, algo):
+    rec = run_build(tmp_path, tokenizer_dir, quant=quant)
+    assert rec.named("QuantConfig")[0][1]["quant_algo"] == algo
+    assert rec.named("from_hugging_face") and not rec.named("quantize")
+    assert ("plugin", "gemm_plugin", "auto") in rec.calls
+
+
+@pytest.mark.parametrize(
+    ("options", "algo", "kv_algo"),
+    [
+        ({"quant": "fp8"}, "QuantAlgo.FP8", None),
+        ({"quant": "int4_awq", "group_size": 64}, "QuantAlgo.W4A16_AWQ", None),
+        ({"quant": "int8_sq"}, "QuantAlgo.W8A8_SQ_PER_CHANNEL", None),
+        ({"quant": "none", "kv_cache_quant": "fp8"}, None, "QuantAlgo.FP8"),
+        ({"quant": "int4_wo", "kv_cache_quant": "int8"}, "QuantAlgo.W4A16", "QuantAlgo.INT8"),
+    ],
+)
+def test_calibrated_quantization_writes_a_checkpoint_first(tmp_path, tokenizer_dir, options, algo, kv_algo):
+    rec = run_build(tmp_path, tokenizer_dir, tp_size=2, calib_dataset="/data/calib", **options)
+    [(_, qc)] = rec.named("QuantConfig")
+    assert (qc["quant_algo"], qc["kv_cache_quant_algo"]) == (algo, kv_algo)
+    [(_, hf, out, kwargs)] = rec.named("quantize")
+    assert hf == str(tokenizer_dir) and out == str(tmp_path / "work" / "checkpoint")
+    assert kwargs["calib_dataset"] == "/data/calib" and kwargs["mapping"].kwargs["tp_size"] == 2
+    assert rec.named("from_checkpoint") == [("from_checkpoint", out, 0), ("from_checkpoint", out, 1)]
+    assert not rec.named("from_hugging_face")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"dtype": "float32"}, "float16 or bfloat16"),
+        ({"quant": "int3"}, "--quant int3"),
+        ({"tp_size": 0}, "at least 1"),
+        ({"max_input_len": 4096, "max_seq_len": 4096}, "below --max-seq-len"),
+    ],
+)
+def test_bad_build_options(tmp_path, tokenizer_dir, options, message):
+    with pytest.raises(TrtllmBuildError, match=re.escape(message)):
+        run_build(tmp_path, tokenizer_dir, **options)
+
+
+def test_unsupported_architecture_names_the_alternative(tmp_path, tokenizer_dir):
+    recorder = Recorder(architectures=("Qwen2ForCausalLM",))
+    with pytest.raises(TrtllmBuildError, match=r"LlamaForCausalLM has no TensorRT engine support .* ENGINE=portable"):
+        build_engine(TrtllmBuildOptions(), tokenizer_dir, tmp_path / "e", tmp_path / "w", recorder.api)
+
+
+# ---------------------------------------------------------------- host checks and command lines
+
+
+def fake_host(docker: bool, daemon: bool, gpus: int):
+    def which(name):
+        present = (name == "docker" and docker) or (name == "nvidia-smi" and gpus >= 0)
+        return f"/usr/bin/{name}" if present else None
+
+    def run(command, **kwargs):
+        if command[:2] == ["docker", "info"]:
+            return subprocess.CompletedProcess(command, 0 if daemon else 1, "", "")
+        lines = "".join(f"GPU {i}: NVIDIA H200 (UUID: GPU-{i})\n" for i in range(max(gpus, 0)))
+        return subprocess.CompletedProcess(command, 0, lines, "")
+
+    return {"run": run, "which": which}
+
+
+@pytest.mark.parametrize(
+    ("host", "needed", "expected"),
+    [
+        ({"docker": False, "daemon": False, "gpus": 1}, 1, ["Docker is not installed"]),
+        ({"docker": True, "daemon": False, "gpus": 1}, 1, ["daemon does not answer"]),
+        ({"docker": True, "daemon": True, "gpus": -1}, 1, ["No NVIDIA GPU found"]),
+        ({"docker": True, "daemon": True, "gpus": 0}, 1, ["No NVIDIA GPU found"]),
+        ({"docker": True, "daemon": True, "gpus": 2}, 4, ["= 4 GPUs, but this host has 2"]),
+        ({"docker": True, "daemon": True, "gpus": 8}, 4, []),
+    ],
+)
+def test_host_problems(monkeypatch, host, needed, expected):
+    fake = fake_host(**host)
+    monkeypatch.setattr(docker.shutil, "which", fake["which"])
+    problems = docker.host_problems(needed, run=fake["run"], which=fake["which"])
+    assert len(problems) == len(expected)
+    for problem, words in zip(problems, expected, strict=True):
+        assert words in problem
+
+
+def test_docker_run_command():
+    command = docker.docker_run("img:1", Path("/src/proj"), ["python3", "x.py"], ports={"http": 9000, "grpc": 9001})
+    joined = " ".join(command)
+    assert command[:4] == ["docker", "run", "--rm", "--init"]
+    assert "--gpus all" in joined and "--shm-size=2g" in joined and "--ulimit memlock=-1" in joined
+    assert "-v /src/proj:/src/proj -w /src/proj" in joined and "-e PYTHONPATH=/src/proj" in joined
+    assert "-p 127.0.0.1:9000:8000" in joined and "-p 127.0.0.1:9001:8001" in joined
+    assert command[-3:] == ["img:1", "python3", "x.py"]
+
+
+def launch_command(world_size: int, **options) -> list[str]:
+    return server_command(
+        CONTAINER_BINARY, Path("/repo"), address="0.0.0.0", ports=CONTAINER_PORTS, world_size=world_size, **options
+    )
+
+
+def test_single_gpu_launch_is_one_tritonserver():
+    command = launch_command(1)
+    assert command[0] == CONTAINER_BINARY and "mpirun" not in command
+    assert "--model-repository=/repo" in command and "--http-address=0.0.0.0" in command
+
+
+def test_multi_gpu_launch_is_one_rank_per_gpu_under_mpi():
+    command = launch_command(2)
+    assert command[:2] == ["mpirun", "--allow-run-as-root"]
+    ranks = " ".join(command[2:]).split(" : ")
+    assert len(ranks) == 2
+    assert all(r.startswith(f"-n 1 {CONTAINER_BINARY} ") for r in ranks)
+    assert "shm-region-prefix-name=prefix0_" in ranks[0] and "--load-model" not in ranks[0]
+    assert "shm-region-prefix-name=prefix1_" in ranks[1]
+    assert "--model-control-mode=explicit --load-model=tensorrt_llm" in ranks[1]
+
+
+def test_serve_refuses_a_portable_build_and_missing_pieces(tmp_path, engine_dir, tokenizer_dir):
+    with pytest.raises(EngineError, match=r"manifest\.json is missing"):
+        load_build(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"engine": "portable"}))
+    with pytest.raises(EngineError, match="holds a portable build"):
+        load_build(tmp_path)
+    manifest = {"engine": "trtllm", "tokenizer_dir": str(tmp_path / "gone"), "engine_dir": str(engine_dir)}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match=r"tokenizer folder .* is missing"):
+        load_build(tmp_path)
+    manifest["tokenizer_dir"] = str(tokenizer_dir)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert load_build(tmp_path).version == "1.2.1"
+
+
+def test_launch_passes_the_build_options_timeout_and_admin_key_to_every_rank():
+    options = {"build_options": ["--backend-config=python,thread-pool-size=48"], "admin_key": "k", "exit_timeout": 60}
+    expected = [
+        "--exit-timeout-secs=60",
+        "--backend-config=python,thread-pool-size=48",
+        f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}=k",
+    ]
+    single = launch_command(1, **options)
+    assert all(flag in single for flag in expected)
+    ranks = " ".join(launch_command(2, **options)[2:]).split(" : ")
+    assert all(flag in rank for rank in ranks for flag in expected)
+
+
+def test_serve_trtllm_in_the_image_launches_with_the_recorded_options(tmp_path, monkeypatch, engine_dir):
+    """`make serve ENGINE=trtllm` inside the image runs the same command as the container entrypoint."""
+    manifest = {
+        "engine": "trtllm",
+        "engine_dir": str(engine_dir),
+        "tokenizer_dir": str(engine_dir),
+        "server_options": ["--backend-config=python,thread-pool-size=48"],
+    }
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    (engine_dir / "tokenizer.json").write_text("{}")
+    monkeypatch.setenv("NVIDIA_TRITON_SERVER_VERSION", "26.07")
+    monkeypatch.setenv("TRITONLLM_ADMIN_KEY", "secret")
+    monkeypatch.setattr(serve_trtllm, "installed_trtllm", lambda: "1.2.1")
+    monkeypatch.setattr(container, "version", lambda name: "1.2.1")
+    ran = []
+    monkeypatch.setattr(container.os, "execvp", lambda binary, command: ran.append(command))
+    serve_trtllm.main(["--build-dir", str(tmp_path), "--exit-timeout", "7"])
+    (command,) = ran
+    assert command[0] == CONTAINER_BINARY
+    assert "--backend-config=python,thread-pool-size=48" in command and "--exit-timeout-secs=7" in command
+    assert any(flag.startswith("--http-restricted-api=") and flag.endswith("=secret") for flag in command)
+
+
+def test_build_once_skips_a_build_it_already_made(tmp_path, monkeypatch):
+    from tritonllm.build import builder as build
+
+    calls = []
+    monkeypatch.setattr(build, "main", lambda args: calls.append(args) or 0)
+    args = ["--engine", "portable", "--build-dir", str(tmp_path)]
+    assert container.build_once(args, tmp_path) == 0 and len(calls) == 1
+    (tmp_path / "manifest.json").write_text("{}")
+    assert container.build_once(args, tmp_path) == 0 and len(calls) == 1, "same arguments: no second build"
+    assert container.build_once([*args, "--max-batch-size", "8"], tmp_path) == 0 and len(calls) == 2

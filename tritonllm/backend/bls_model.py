@@ -1,0 +1,237 @@
+"""Triton adapter of `tensorrt_llm_bls`: the ensemble's tensors, streamed.
+
+A decoupled step makes an ensemble decoupled, and a stateless postprocessing step cannot
+detokenize a stream correctly; so this decoupled model runs the pipeline itself, per request:
+`preprocessing` -> `tensorrt_llm` with `streaming` (BLS, decoupled) -> a `TextStream` that
+holds the request's decode state. The first two steps are wired exactly as in the `ensemble`
+config, read at load time, so the two entry points cannot drift apart. The preprocessing step runs
+here, as the preprocessing model's own code with its config's parameters: a BLS round trip to that
+model cost 2.6 ms of the first token's wait on 2 CPU cores (docs/PERFORMANCE.md).
+
+Each request runs on a worker thread (`execute` returns at once) that only queues its text; one
+`Outbox` thread sends it, merging a stream's deltas that queued up while it was busy, and asks the
+server every CANCEL_CHECK_SECONDS which requests were cancelled (each `send` and `is_cancelled` is a
+round trip to the server: per token they cost more than the generation at 256 streams on an H200).
+A client that cancels, or a stop string, ends the engine's work with TensorRT-LLM's `stop` request,
+which both engines honour.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from tritonllm.backend.model_config import read_config
+from tritonllm.backend.outbox import Outbox
+from tritonllm.backend.text_models import preprocessor
+from tritonllm.backend.triton_glue import (
+    FINAL,
+    error_response,
+    exec_decoupled,
+    flag,
+    input_arrays,
+    log_exception,
+    model_config,
+    parameters,
+    raise_if_error,
+)
+from tritonllm.errors import InputError
+from tritonllm.text.detokenization import Detokenizer, finish_reason
+from tritonllm.text.stream import TextStream
+from tritonllm.text.tokenization import as_text, scalar
+
+CANCEL_CHECK_SECONDS = 0.2
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class _Request:
+    """One client request as the sender thread sees it."""
+
+    sender: object
+    cancelled: bool = False  # set by the sender thread, read by the request's worker
+    iterators: list = field(default_factory=list)  # its BLS response iterators, kept until settled
+
+
+def _join_deltas(earlier, later):
+    """Consecutive text deltas merge; a final response stays apart."""
+    return earlier + later if isinstance(earlier, str) and isinstance(later, str) else None
+
+
+class StreamingModel:
+    def initialize(self, args: dict) -> None:
+        config = model_config(args)
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise ValueError("tensorrt_llm_bls must be decoupled: set model_transaction_policy { decoupled: true }")
+        params = parameters(config)
+        repository = Path(args["model_repository"]).parent
+        ensemble = read_config(repository / params["ensemble_model_name"] / "config.pbtxt")
+        self.preprocess_step, self.engine_step = ensemble.ensemble_scheduling.step[:2]
+        preprocessing = read_config(repository / self.preprocess_step.model_name / "config.pbtxt")
+        self.preprocessor = preprocessor({k: v.string_value for k, v in preprocessing.parameters.items()})
+        self.engine_model = params["engine_model_name"]
+        self.detokenizer = Detokenizer(self.preprocessor.tokenizer, flag(params["skip_special_tokens"]))
+        self.workers = ThreadPoolExecutor(int(params["max_inflight_requests"]), thread_name_prefix="bls")
+        # Engine request ids, unique per process: the key of `stop` requests (numeric, as TensorRT-LLM wants).
+        self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
+        self._live: dict[int, _Request] = {}
+        self._unsettled: list[list] = []  # iterators of cancelled requests, dropped after the next round trip
+        self.outbox: Outbox[str | object] = Outbox(
+            "tensorrt_llm_bls-sender",
+            self._send,
+            _join_deltas,
+            self._check_cancelled,
+            CANCEL_CHECK_SECONDS,
+            log_exception,
+        )
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                arrays = input_arrays(request)
+                batch = arrays["text_input"].shape[0] if "text_input" in arrays else 1
+                if batch != 1:
+                    raise InputError("text_input", f"tensorrt_llm_bls takes one prompt per request, got {batch}")
+            except Exception as exc:
+                sender.send(error_response(exc), flags=FINAL)
+                continue
+            state = _Request(sender)
+            self._live[id(state)] = state
+            self.workers.submit(self._generate, arrays, state)
+        return None
+
+    # ------------------------------------------------------------------ the sender thread
+
+    def _send(self, state: _Request, item) -> None:
+        """A text delta, or the final response (a text delta is never sent after it)."""
+        if isinstance(item, str):
+            tensor = pb_utils.Tensor("text_output", np.array([[item.encode()]], dtype=object))
+            state.sender.send(pb_utils.InferenceResponse([tensor]))
+            return
+        self._live.pop(id(state), None)
+        if state.cancelled:  # the stub answers it without a round trip now: wait for another's
+            self._unsettled.append(state.iterators)
+        else:
+            self._ask_cancelled(state)  # settles this request's iterators (see exec_decoupled)
+        state.iterators = []
+        state.sender.send(item, flags=FINAL)
+
+    def _check_cancelled(self) -> None:
+        for state in list(self._live.values()):
+            if not state.cancelled:
+                self._ask_cancelled(state)
+
+    def _ask_cancelled(self, state: _Request) -> None:
+        """A round trip through the stub's helper thread. Only this thread asks, so none is
+        answered early by another's, and every iterator that finished before it is settled after it."""
+        settled = len(self._unsettled)
+        state.cancelled = state.sender.is_cancelled()
+        del self._unsettled[:settled]
+
+    # ------------------------------------------------------------------ one request, on a worker thread
+
+    def _generate(self, arrays: dict[str, np.ndarray], state: _Request) -> None:
+        try:
+            streaming = bool(scalar(arrays, "stream", 0))
+            tensors = dict(arrays)
+            tensors.update(self._preprocess(arrays))
+            stops = (
+                [as_text(v, "stop_words") for v in arrays["stop_words"].reshape(-1)] if "stop_words" in arrays else []
+            )
+            stream = TextStream(self.detokenizer, stops)
+            text = self._run_engine(tensors, stream, state, streaming)
+            text += stream.finish()
+            max_tokens = int(scalar(arrays, "max_tokens", 0))
+            final = {
+                "text_output": np.array([[text.encode()]], dtype=object),
+                "finish_reason": np.array(
+                    [[finish_reason(stream.stopped, stream.num_tokens, max_tokens).encode()]], dtype=object
+                ),
+                "num_input_tokens": tensors["num_input_tokens"].reshape(1, 1).astype(np.int32),
+                "num_output_tokens": np.array([[stream.num_tokens]], dtype=np.int32),
+            }
+            response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in final.items()])
+        except _Cancelled:
+            response = pb_utils.InferenceResponse(
+                error=pb_utils.TritonError("request was cancelled", pb_utils.TritonError.CANCELLED)
+            )
+        except Exception as exc:
+            response = error_response(exc)
+        self.outbox.put(state, response)
+
+    def _preprocess(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The ensemble's first step; returns its outputs under their ensemble tensor names."""
+        step = self.preprocess_step
+        inputs = {key: arrays[name] for key, name in step.input_map.items() if name in arrays and key != "STREAM"}
+        (result,) = self.preprocessor.process([inputs])
+        if isinstance(result, Exception):
+            raise result
+        return {step.output_map[name]: array for name, array in result.items() if name in step.output_map}
+
+    def _run_engine(self, tensors: dict[str, np.ndarray], stream: TextStream, state: _Request, streaming: bool) -> str:
+        """Stream the engine's tokens through `stream`; queue the deltas when `streaming`, else return the text."""
+        step = self.engine_step
+        inputs = [pb_utils.Tensor(key, tensors[name]) for key, name in step.input_map.items() if name in tensors]
+        inputs.append(pb_utils.Tensor("streaming", np.array([[True]])))
+        request_id = str(next(self._ids))
+        request = pb_utils.InferenceRequest(
+            model_name=self.engine_model,
+            inputs=inputs,
+            requested_output_names=["output_ids", "sequence_length"],
+            request_id=request_id,
+        )
+        collected: list[str] = []
+        stopping = False
+        for response in exec_decoupled(request, state.iterators):
+            if stopping:
+                if response.has_error():
+                    break  # an error ends the request: nothing more will come
+                continue  # drain until the engine's final response
+            if response.has_error():
+                raise_if_error(response)
+            output = pb_utils.get_output_tensor_by_name(response, "output_ids")
+            if output is not None:
+                length = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
+                delta = stream.push(output.as_numpy().reshape(-1)[:length].tolist())
+                if delta and streaming:
+                    self.outbox.put(state, delta)
+                elif delta:
+                    collected.append(delta)
+            if stream.stopped or state.cancelled:
+                self._stop_engine(request_id, state)
+                stopping = True
+        if state.cancelled:
+            raise _Cancelled
+        return "".join(collected)
+
+    def _stop_engine(self, request_id: str, state: _Request) -> None:
+        """TensorRT-LLM's way to end a request early: a request with the same id and `stop` set."""
+        one = np.ones((1, 1), dtype=np.int32)
+        stop = pb_utils.InferenceRequest(
+            model_name=self.engine_model,
+            inputs=[
+                pb_utils.Tensor("input_ids", one),
+                pb_utils.Tensor("input_lengths", one),
+                pb_utils.Tensor("request_output_len", one),
+                pb_utils.Tensor("stop", np.array([[True]])),
+            ],
+            requested_output_names=["output_ids"],
+            request_id=request_id,
+        )
+        for response in exec_decoupled(stop, state.iterators):
+            if response.has_error():
+                log_exception(f"tensorrt_llm_bls: stopping engine request {request_id}: {response.error().message()}")
+
+    def finalize(self) -> None:
+        self.workers.shutdown(wait=True, cancel_futures=True)
+        self.outbox.close()

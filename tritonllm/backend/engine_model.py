@@ -1,0 +1,229 @@
+"""Triton adapter of the portable engine: the decoupled `tensorrt_llm` model.
+
+`execute` parses each request, hands it to the engine and returns at once; the engine's router
+thread reports tokens, and an `Outbox` thread turns them into responses (merging a stream's tokens
+that queued up while it was busy), so neither generation nor request intake ever waits on the
+server's IPC. Like the TensorRT-LLM backend, a non-streaming
+request gets one response holding all its tokens; a streaming one gets a response per new
+tokens; both end with a COMPLETE_FINAL flag. A request ended early (TensorRT-LLM's `stop`
+request, or a cancelled client) ends the same way, with the tokens generated until then.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+import triton_python_backend_utils as pb_utils
+
+from tritonllm.backend.engine_io import exclude_input, pack_outputs, parse_requests
+from tritonllm.backend.metrics import EngineMetrics
+from tritonllm.backend.outbox import Outbox
+from tritonllm.backend.triton_glue import (
+    FINAL,
+    ServerBusy,
+    error_response,
+    flag,
+    input_arrays,
+    log_exception,
+    log_info,
+    model_config,
+    parameters,
+    to_tensors,
+)
+from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest
+from tritonllm.engine.process import EngineProcess
+from tritonllm.errors import InputError
+from tritonllm.text.tokenization import Limits, scalar
+
+CANCEL_CHECK_SECONDS = 0.2  # and the period of the load gauges
+
+
+@dataclass
+class _Call:
+    """One Triton request: one or more engine requests (one per batch row) and its response sender."""
+
+    sender: object
+    request_id: str  # the client's request id ("" when none), the key of `stop` requests
+    requests: list[GenerationRequest]
+    exclude_input: bool
+    pad_id: int
+    engine_ids: list[str] = field(default_factory=list)
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # finished rows
+    generated: dict[int, int] = field(default_factory=dict)  # tokens generated per row, for the metrics
+    closed: bool = False
+
+
+class EngineModel:
+    def initialize(self, args: dict) -> None:
+        config = model_config(args)
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise ValueError("tensorrt_llm must be decoupled: set model_transaction_policy { decoupled: true }")
+        params = parameters(config)
+        device = "cpu"
+        if args.get("model_instance_kind") == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        self.limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
+        self.exclude_input = flag(params.get("exclude_input_in_output", "true"))
+        # Requests beyond the running batch wait in the engine's queue, up to this bound; more are refused.
+        self.capacity = int(config["max_batch_size"]) + int(params["max_queue_size"])
+        # The engine in a child process (tritonllm/engine/process.py), which alone then loads torch, or in this one.
+        if flag(params.get("engine_process", "false")):
+            engine = EngineProcess
+        else:
+            from tritonllm.engine.portable import PortableEngine as engine
+        self.engine = engine(
+            EngineConfig(
+                model_dir=params["model_dir"],
+                device=device,
+                dtype=params["dtype"],
+                max_batch_size=int(config["max_batch_size"]),
+                max_seq_len=self.limits.max_seq_len,
+                kv_cache_tokens=int(params["kv_cache_tokens"]),
+                max_batch_tokens=int(params["max_batch_tokens"]),
+                cuda_graphs=device != "cpu" and flag(params.get("cuda_graphs", "false")),
+                cudnn_attention=flag(params.get("cudnn_attention", "false")),
+                compile=device != "cpu" and flag(params.get("compile", "false")),
+                async_batching=device != "cpu" and flag(params.get("async_batching", "false")),
+                fused_norms=flag(params.get("fused_norms", str(EngineConfig.fused_norms))),
+                fused_projections=flag(params.get("fused_projections", str(EngineConfig.fused_projections))),
+                cpu_niceness=int(params.get("cpu_niceness", EngineConfig.cpu_niceness)),
+                attention=params.get("attention", "sdpa"),
+            )
+        )
+        started = time.perf_counter()
+        # The batching manager's first step is slow (allocation, kernel selection): pay it now.
+        self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)
+        where = "in a process of its own" if engine is EngineProcess else "in the model's process"
+        log_info(
+            f"tensorrt_llm: portable engine on {device}, {where}, warmed up in {time.perf_counter() - started:.1f} s"
+        )
+        self._live: dict[int, _Call] = {}
+        self.metrics = EngineMetrics(args["model_name"], args["model_version"])
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # metric records, flushed by the sender thread
+        self._outbox: Outbox[Emission] = Outbox(
+            "tensorrt_llm-sender", self._send, Emission.merge, self._tick, CANCEL_CHECK_SECONDS, log_exception
+        )
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                arrays = input_arrays(request)
+                if scalar(arrays, "stop", 0):
+                    self._stop(request.request_id(), sender)
+                    continue
+                rows = parse_requests(arrays, self.limits)
+                self._admit(len(rows))
+                pad = arrays.get("pad_id")
+                pad_id = int(pad.flat[0]) if pad is not None else 0
+                call = _Call(sender, request.request_id(), rows, exclude_input(arrays, self.exclude_input), pad_id)
+            except Exception as exc:
+                kind = "server_busy" if isinstance(exc, ServerBusy) else "invalid_input"
+                self._finished.put(("error", kind))
+                sender.send(error_response(exc), flags=FINAL)
+                continue
+            self._live[id(call)] = call
+            for row, generation in enumerate(rows):
+                call.engine_ids.append(
+                    self.engine.submit(generation, lambda e, c=call, r=row: self._on_emission(c, r, e))
+                )
+        return None
+
+    def _admit(self, rows: int) -> None:
+        in_flight = self.engine.running()
+        if in_flight + rows > self.capacity:
+            raise ServerBusy(
+                f"server busy: {in_flight} requests are in the engine and its limit is {self.capacity} "
+                "(max_batch_size running + max_queue_size waiting); retry later"
+            )
+
+    def _stop(self, request_id: str, sender) -> None:
+        """TensorRT-LLM's `stop` input: end the in-flight requests that carry this request id."""
+        if not request_id:
+            raise InputError("stop", "a stop request must carry the id of the request to stop")
+        if not self.engine.alive():  # so the health probe (tritonllm.launch.tritonserver.probe_engine) fails
+            error = pb_utils.TritonError("the engine's generation loop has stopped", pb_utils.TritonError.INTERNAL)
+            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            return
+        for call in list(self._live.values()):
+            if call.request_id == request_id:
+                for engine_id in call.engine_ids:
+                    self.engine.cancel(engine_id)
+        sender.send(flags=FINAL)
+
+    def _on_emission(self, call: _Call, row: int, emission: Emission) -> None:
+        """From the engine's thread: queue what to send, never block."""
+        request = call.requests[row]
+        call.generated[row] = call.generated.get(row, 0) + len(emission.token_ids)
+        if emission.final:
+            self._finished.put(("finish", emission, len(request.input_ids), call.generated[row]))
+        if emission.error or request.streaming:
+            self._outbox.put(call, emission)
+        elif emission.final:
+            call.tokens[row] = ([] if call.exclude_input else request.input_ids) + emission.token_ids
+            if len(call.tokens) == len(call.requests):
+                self._outbox.put(call, emission)
+
+    def _tick(self) -> None:
+        self._check_cancelled()
+        self._update_metrics()
+
+    def _update_metrics(self) -> None:
+        while not self._finished.empty():
+            record = self._finished.get()
+            if record[0] == "error":
+                self.metrics.errors[record[1]].increment(1)
+                continue
+            _, emission, input_tokens, output_tokens = record
+            if emission.error:
+                self.metrics.errors["generation_failed"].increment(1)
+            self.metrics.finish(
+                emission.finish_reason,
+                input_tokens,
+                output_tokens,
+                emission.time_to_first_token,
+                emission.time_per_output_token,
+            )
+        self.metrics.load(self.engine.running(), self.engine.in_batch(), self.engine.captured_graphs())
+
+    def _send(self, call: _Call, emission: Emission) -> None:
+        """On the outbox's thread: a streaming request's new tokens, or a whole request's answer."""
+        if call.closed:
+            return
+        if emission.error:
+            self._close(call)
+            error = pb_utils.TritonError(f"generation failed: {emission.error}", pb_utils.TritonError.INTERNAL)
+            call.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            return
+        streaming = call.requests[0].streaming
+        final = emission.final and (streaming or len(call.tokens) == len(call.requests))
+        if final:
+            self._close(call)
+        if streaming:
+            outputs = pack_outputs([emission.token_ids], call.pad_id) if emission.token_ids else None
+        else:
+            outputs = pack_outputs([call.tokens[r] for r in range(len(call.requests))], call.pad_id)
+        if outputs is None:
+            call.sender.send(flags=FINAL)
+        else:
+            call.sender.send(
+                pb_utils.InferenceResponse(output_tensors=to_tensors(outputs)), flags=FINAL if final else 0
+            )
+
+    def _close(self, call: _Call) -> None:
+        call.closed = True
+        self._live.pop(id(call), None)
+        for engine_id in call.engine_ids:
+            self.engine.cancel(engine_id)  # no-op for finished requests; frees the others' batch slots
+
+    def _check_cancelled(self) -> None:
+        for call in list(self._live.values()):
+            if call.sender.is_cancelled():
+                for engine_id in call.engine_ids:
+                    self.engine.cancel(engine_id)
+
+    def finalize(self) -> None:
+        self.engine.shutdown()
+        self._outbox.close()

@@ -1,0 +1,73 @@
+"""The engine's Prometheus metrics, on tritonserver's metrics port beside Triton's own.
+
+All carry the labels `model` and `version`. Updates are IPC calls to the server, so the engine
+model makes them from its sender thread, never from the generation loop.
+"""
+
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+from tritonllm.protocol import FINISH_REASONS
+
+TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0]
+ERROR_KINDS = ("invalid_input", "server_busy", "generation_failed")
+
+
+class EngineMetrics:
+    def __init__(self, model: str, version: str) -> None:
+        labels = {"model": model, "version": version}
+        family = pb_utils.MetricFamily
+        self._families = []  # a family must outlive its metrics
+
+        def make(name: str, description: str, kind):
+            fam = family(name=name, description=description, kind=kind)
+            self._families.append(fam)
+            return fam
+
+        requests = make("tritonllm_engine_requests", "Requests in the engine, by state", family.GAUGE)
+        self.running = requests.Metric(labels={**labels, "state": "running"})
+        self.waiting = requests.Metric(labels={**labels, "state": "waiting"})
+        self.in_flight = make(
+            "tritonllm_engine_requests_in_flight",
+            "Requests submitted to the engine and not finished (running or waiting for a batch slot)",
+            family.GAUGE,
+        ).Metric(labels=labels)
+        self.graphs = make(
+            "tritonllm_cuda_graphs",
+            "CUDA graphs the engine captured, one per step shape met (0 without CUDA graphs); each new one "
+            "cost a capture in some step",
+            family.GAUGE,
+        ).Metric(labels=labels)
+        self.input_tokens = make(
+            "tritonllm_input_tokens_total", "Prompt tokens of finished requests", family.COUNTER
+        ).Metric(labels=labels)
+        self.output_tokens = make(
+            "tritonllm_output_tokens_total", "Tokens generated for finished requests", family.COUNTER
+        ).Metric(labels=labels)
+        finished = make("tritonllm_requests_finished_total", "Finished requests, by finish reason", family.COUNTER)
+        self.finished = {r: finished.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
+        errors = make("tritonllm_request_errors_total", "Refused or failed requests, by kind", family.COUNTER)
+        self.errors = {k: errors.Metric(labels={**labels, "kind": k}) for k in ERROR_KINDS}
+        self.ttft = make(
+            "tritonllm_time_to_first_token_seconds", "From submission to the first generated token", family.HISTOGRAM
+        ).Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self.tpot = make(
+            "tritonllm_time_per_output_token_seconds", "Mean time per generated token after the first", family.HISTOGRAM
+        ).Metric(labels=labels, buckets=TPOT_BUCKETS)
+
+    def finish(self, reason: str, input_tokens: int, output_tokens: int, ttft: float | None, tpot: float | None):
+        self.finished.get(reason, self.finished["error"]).increment(1)
+        self.input_tokens.increment(input_tokens)
+        self.output_tokens.increment(output_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+
+    def load(self, in_flight: int, in_batch: int, graphs: int) -> None:
+        self.graphs.set(graphs)
+        self.in_flight.set(in_flight)
+        self.running.set(in_batch)
+        self.waiting.set(max(0, in_flight - in_batch))

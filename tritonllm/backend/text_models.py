@@ -1,0 +1,34 @@
+"""Triton adapters of the tokenizer and detokenizer models (run inside the Python-backend stub)."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from tritonllm.backend.triton_glue import flag, model_config, parameters, run_batch
+from tritonllm.text.detokenization import Detokenizer, Postprocessor
+from tritonllm.text.tokenization import Limits, Preprocessor
+
+
+def preprocessor(params: dict[str, str]) -> Preprocessor:
+    """The preprocessing model's step from its config's parameters (tensorrt_llm_bls runs the same one)."""
+    tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
+    limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
+    return Preprocessor(tokenizer, limits, flag(params["add_special_tokens"]))
+
+
+class PreprocessingModel:
+    def initialize(self, args: dict) -> None:
+        self.preprocessor = preprocessor(parameters(model_config(args)))
+
+    def execute(self, requests: list) -> list:
+        return run_batch(requests, self.preprocessor.process)
+
+
+class PostprocessingModel:
+    def initialize(self, args: dict) -> None:
+        params = parameters(model_config(args))
+        tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
+        self.postprocessor = Postprocessor(Detokenizer(tokenizer, flag(params["skip_special_tokens"])))
+
+    def execute(self, requests: list) -> list:
+        return run_batch(requests, self.postprocessor.process)

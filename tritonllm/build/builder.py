@@ -1,0 +1,445 @@
+"""`build_engines.py`: model -> engine -> rendered, checked model repository + build/manifest.json.
+
+--engine portable   the Hugging Face folder is the engine (PyTorch, CPU or CUDA)
+--engine trtllm     a TensorRT-LLM engine, built inside NVIDIA's image (on a GPU host with Docker)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tritonllm.build.model_source import ModelSourceError, resolve_model
+from tritonllm.build.repository import RepositoryError, write_repository
+from tritonllm.engine.cpu_threads import YIELDING_NICENESS
+from tritonllm.errors import ConfigError
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class BuildError(ConfigError):
+    """An option that cannot work; says which and what to do."""
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Everything the repository is rendered from, derived from the model (or engine) and the options."""
+
+    engine: str
+    model_dir: str  # the Hugging Face folder: tokenizer (and, for the portable engine, weights)
+    dtype: str
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    vocab_size: int
+    max_queue_size: int = 0  # requests that may wait for a batch slot (0: as many as max_batch_size)
+    engine_values: dict[str, str] = field(default_factory=dict)  # the flavor's own template values
+    details: dict = field(default_factory=dict)  # what else the manifest records
+
+    @property
+    def queue_size(self) -> int:
+        return self.max_queue_size or self.max_batch_size
+
+    def server_options(self) -> list[str]:
+        """Server options this repository needs; the manifest records them and every launcher passes them.
+
+        Triton's Python backend serves each model instance's BLS calls and response sends from a
+        pool of threads (32 unless set), and a decoupled BLS call holds a thread until the callee's
+        first response: for tensorrt_llm_bridge that is the whole answer, so 32 threads would cap
+        the ensemble's requests in flight at 32. The pool gets one thread per request the engine
+        admits (running and waiting) on top of the default 32.
+        """
+        return [f"--backend-config=python,thread-pool-size={self.max_batch_size + self.queue_size + 32}"]
+
+    def template_values(self) -> dict[str, str]:
+        return {
+            "triton_max_batch_size": str(self.max_batch_size),
+            "max_queue_delay_microseconds": "0",
+            "preprocessing_instance_count": "2",
+            "postprocessing_instance_count": "2",
+            "tokenizer_dir": self.model_dir,
+            "add_special_tokens": "true",
+            "skip_special_tokens": "true",
+            "max_input_len": str(self.max_input_len),
+            "max_seq_len": str(self.max_seq_len),
+            "vocab_size": str(self.vocab_size),
+            "max_inflight_requests": str(8 * self.max_batch_size),
+            "max_queue_size": str(self.queue_size),
+            **self.engine_values,
+        }
+
+
+def kv_bytes_per_token(text_config, dtype: str) -> int:
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return 2 * text_config.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
+    import torch
+    from transformers import AutoConfig
+
+    from tritonllm.engine.api import EngineConfig
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise BuildError("--device cuda: PyTorch sees no CUDA GPU here. Use --device cpu (or auto).")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    graphs = device == "cuda" and args.cuda_graphs is not False  # on by default on CUDA
+    # cuDNN's attention builds a cuDNN graph per new batch shape: paid once per captured CUDA graph, but
+    # on every step of a served batch without graphs, so by default it follows --cuda-graphs.
+    cudnn = device == "cuda" and (graphs if args.cudnn_attention is None else args.cudnn_attention)
+    # Opt-in: faster steps, but compiling takes one to two minutes at every server start.
+    compiled = device == "cuda" and args.compile
+    # The host prepares step N+1 while the GPU runs step N; measured with graphs (docs/PERFORMANCE.md).
+    asynchronous = device == "cuda" and (graphs if args.async_batching is None else args.async_batching)
+    attention = portable_attention(device, dtype, args.attention)
+    # On CUDA the generation loop's host work bounds a heavy load; on a small CPU host a process hop costs more.
+    engine_process = device == "cuda" if args.engine_process is None else args.engine_process
+    fused_norms = EngineConfig.fused_norms if args.fused_norms is None else args.fused_norms
+    fused_projections = EngineConfig.fused_projections if args.fused_projections is None else args.fused_projections
+
+    text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    model_max = getattr(text_config, "max_position_embeddings", None) or args.max_seq_len
+    max_seq_len = min(args.max_seq_len, model_max)
+    max_input_len = args.max_input_len or max_seq_len * 3 // 4
+    if not 1 <= max_input_len < max_seq_len:
+        raise BuildError(
+            f"--max-input-len {max_input_len} must be at least 1 and below the max sequence length {max_seq_len} "
+            f"(the smaller of --max-seq-len and the model's {model_max} positions)"
+        )
+    max_batch_size = args.max_batch_size or 16
+    if max_batch_size < 1:
+        raise BuildError(f"--max-batch-size must be at least 1, got {max_batch_size}")
+    budget = int(args.kv_cache_gib * 2**30) // kv_bytes_per_token(text_config, dtype)
+    kv_cache_tokens = min(budget, max_batch_size * max_seq_len)
+    if kv_cache_tokens < max_seq_len:
+        raise BuildError(
+            f"--kv-cache-gib {args.kv_cache_gib} holds {budget} tokens, fewer than one full sequence "
+            f"({max_seq_len}); raise it or lower --max-seq-len"
+        )
+    return BuildPlan(
+        engine="portable",
+        model_dir=str(model_dir),
+        dtype=dtype,
+        max_batch_size=max_batch_size,
+        max_input_len=max_input_len,
+        max_seq_len=max_seq_len,
+        vocab_size=text_config.vocab_size,
+        max_queue_size=args.max_queue_size,
+        engine_values={
+            "model_dir": str(model_dir),
+            "dtype": dtype,
+            "kv_cache_tokens": str(kv_cache_tokens),
+            "max_batch_tokens": str(args.max_batch_tokens),
+            "cuda_graphs": str(graphs).lower(),
+            "cudnn_attention": str(cudnn).lower(),
+            "compile": str(compiled).lower(),
+            "async_batching": str(asynchronous).lower(),
+            "fused_norms": str(fused_norms).lower(),
+            "fused_projections": str(fused_projections).lower(),
+            "cpu_niceness": str(args.cpu_niceness),
+            "engine_process": str(engine_process).lower(),
+            "attention": attention,
+            "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
+        },
+        details={
+            "device": device,
+            "kv_cache_tokens": kv_cache_tokens,
+            "max_batch_tokens": args.max_batch_tokens,
+            "cuda_graphs": graphs,
+            "cudnn_attention": cudnn,
+            "compile": compiled,
+            "async_batching": asynchronous,
+            "fused_norms": fused_norms,
+            "fused_projections": fused_projections,
+            "cpu_niceness": args.cpu_niceness,
+            "engine_process": engine_process,
+            "attention": attention,
+        },
+    )
+
+
+def portable_attention(device: str, dtype: str, asked: str) -> str:
+    """The engine's attention: varlen (per-request FlashAttention) on CUDA in 16-bit types where torch has it,
+    else SDPA."""
+    from tritonllm.engine.attention import VARLEN, unavailable_reason
+
+    reason = unavailable_reason(device, dtype)
+    if asked == "auto":
+        return "sdpa" if reason else VARLEN
+    if asked == VARLEN and reason:
+        raise BuildError(f"--attention {VARLEN}: {reason}")
+    return asked
+
+
+def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> BuildPlan:
+    """Triton values from the engine's own config.json (and the tokenizer folder)."""
+    from tritonllm.trtllm.engine_dir import check_batch_size, read_engine
+
+    if not any(model_dir.glob("tokenizer*")):
+        raise BuildError(
+            f"tokenizer folder {model_dir} has no tokenizer files: the pre/postprocessing models need them"
+        )
+    info = read_engine(engine_dir)
+    max_batch_size = args.max_batch_size or info.max_batch_size
+    check_batch_size(info, max_batch_size)
+    if not 0 < args.kv_cache_free_gpu_mem_fraction <= 1:
+        raise BuildError(
+            f"--kv-cache-free-gpu-mem-fraction must be in (0, 1], got {args.kv_cache_free_gpu_mem_fraction}"
+        )
+    return BuildPlan(
+        engine="trtllm",
+        model_dir=str(model_dir),
+        dtype=info.dtype,
+        max_batch_size=max_batch_size,
+        max_input_len=info.max_input_len,
+        max_seq_len=info.max_seq_len,
+        vocab_size=info.vocab_size,
+        max_queue_size=getattr(args, "max_queue_size", 0),
+        engine_values={
+            "engine_dir": str(engine_dir),
+            "max_beam_width": str(info.max_beam_width),
+            "kv_cache_free_gpu_mem_fraction": str(args.kv_cache_free_gpu_mem_fraction),
+            "enable_kv_cache_reuse": "true",
+        },
+        details={
+            "engine_dir": str(engine_dir),
+            "trtllm_version": info.version,
+            "tp_size": info.tp_size,
+            "pp_size": info.pp_size,
+            "quant_algo": info.quant_algo,
+            "kv_cache_quant_algo": info.kv_cache_quant_algo,
+            "engine_max_batch_size": info.max_batch_size,
+        },
+    )
+
+
+def trtllm_options(args: argparse.Namespace):
+    from tritonllm.trtllm.engine_build import TrtllmBuildOptions
+
+    return TrtllmBuildOptions(
+        dtype="bfloat16" if args.dtype == "auto" else args.dtype,
+        quant=args.quant,
+        kv_cache_quant=args.kv_cache_quant,
+        tp_size=args.tp,
+        pp_size=args.pp,
+        max_batch_size=args.max_batch_size or 64,
+        max_input_len=args.max_input_len or args.max_seq_len // 2,
+        max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens,
+        calib_dataset=args.calib_dataset,
+    )
+
+
+def default_engine_dir(build_dir: Path, model_dir: Path, args: argparse.Namespace) -> Path:
+    options = trtllm_options(args)
+    parallel = f"tp{options.tp_size}pp{options.pp_size}"
+    name = f"{model_dir.name}-{options.dtype}-{options.quant}-kv{options.kv_cache_quant}-{parallel}"
+    return build_dir / "engines" / name
+
+
+def build_trtllm_engine(model_dir: Path, engine_dir: Path, build_dir: Path, args: argparse.Namespace, argv) -> None:
+    """Build the engine here when tensorrt_llm is importable (inside the image), else in the image."""
+    from tritonllm.trtllm import docker
+    from tritonllm.trtllm.engine_build import TrtllmApi, build_engine
+    from tritonllm.versions import TRTLLM_VERSION
+
+    options = trtllm_options(args)
+    options.check()
+    try:
+        api = TrtllmApi.load()
+    except Exception:
+        api = None
+    if api is not None:
+        if api.version != TRTLLM_VERSION:
+            raise BuildError(
+                f"this image has TensorRT-LLM {api.version}; the project pins {TRTLLM_VERSION} "
+                f"(tritonllm/versions.py): build in {docker.IMAGE_TAG} (`make build ENGINE=trtllm`)"
+            )
+        build_engine(options, model_dir, engine_dir, build_dir / "trtllm-work", api)
+        return
+    problems = docker.host_problems(gpus_needed=1)
+    if problems:
+        raise BuildError("\n  ".join(["the TensorRT-LLM engine cannot be built here:", *problems]))
+    command = docker.docker_run(docker.IMAGE_TAG, Path.cwd(), ["python3", "build_engines.py", *argv, "--engine-only"])
+    print("Building the engine inside", docker.IMAGE_TAG, "...", flush=True)
+    if subprocess.run(command).returncode != 0:
+        raise BuildError(f"the engine build in {docker.IMAGE_TAG} failed (its output is above)")
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("torch", "transformers", "nvidia-pytriton", "tritonclient", "tensorrt_llm"):
+        with contextlib.suppress(PackageNotFoundError):
+            found[package] = version(package)
+    return found
+
+
+def niceness(text: str) -> int:
+    """argparse type of --cpu-niceness: what Linux can add to a nice value of 0."""
+    value = int(text)
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 19, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from tritonllm.trtllm.engine_build import KV_CACHE_QUANT_ALGOS, QUANT_ALGOS
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["portable", "trtllm"], default="portable")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="Hugging Face folder or hub id, or a .gguf file (default: the packaged SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--build-dir", type=Path, default=Path("build"))
+    parser.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto")
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=0,
+        help="requests generating at once (default: portable 16; trtllm 64, or the engine's)",
+    )
+    parser.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=0,
+        help="requests that may wait for a batch slot before new ones are refused as busy (default: max-batch-size)",
+    )
+    parser.add_argument("--max-seq-len", type=int, default=4096, help="prompt + generated tokens (capped by the model)")
+    parser.add_argument(
+        "--max-input-len", type=int, default=0, help="prompt tokens (default: portable 3/4, trtllm 1/2 of max-seq-len)"
+    )
+    portable = parser.add_argument_group("portable engine")
+    portable.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    portable.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (prefill chunk)")
+    portable.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="on CUDA (the default there), capture engine steps in CUDA graphs: ~3x faster single streams and "
+        "faster streams once captured; a new batch shape pays its capture when first met (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--cudnn-attention",
+        action=argparse.BooleanOptionalAction,
+        help="on CUDA, let torch use cuDNN's attention kernel (default: with --cuda-graphs): faster kernels, "
+        "but a cuDNN graph is built for each new batch shape, which served batches keep meeting unless "
+        "steps are captured in CUDA graphs (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="on CUDA, compile the engine step with torch.compile: fused kernels (H200, 7B, with async batching: "
+        "a single stream 145-151 against 113-114 tokens/s; 256 streams -5 to +14 %%), but the server takes one to "
+        "two minutes longer to start (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--async-batching",
+        action=argparse.BooleanOptionalAction,
+        help="on CUDA, prepare each engine step on the host while the GPU runs the previous one (transformers' "
+        "asynchronous batching; default: with --cuda-graphs). H200, 7B: served 256 streams 5,796 against 4,294 "
+        "tokens/s, a single stream 114 against 106 (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--fused-norms",
+        action=argparse.BooleanOptionalAction,
+        help="(default: on) run the model's RMSNorm layers as torch's one-kernel rms_norm where they compute the same "
+        "(checked at load): H200, 7B: a single stream 133 against 115 tokens/s (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--fused-projections",
+        action=argparse.BooleanOptionalAction,
+        help="(default: on) run each layer's q/k/v projections as one matrix product and its MLP's gate/up ones as "
+        "another: H200, 7B: a single stream 144 against 133 tokens/s; CPU +11 %% (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--cpu-niceness",
+        type=niceness,
+        default=YIELDING_NICENESS,
+        help="on the CPU, the nice value added to the engine's generation thread and its OpenMP workers, so that "
+        "the stream's other steps take a core when they wake (2 cores: first streamed text 1-2 ms sooner); 0 keeps "
+        "them at the server's priority, for a host shared with other busy processes (default: %(default)s)",
+    )
+    portable.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        help="run the engine in a process of its own, beside the engine model's (default: on CUDA), so that "
+        "sending a response per token per stream does not take the generation loop's interpreter lock "
+        "(docs/PERFORMANCE.md)",
+    )
+    portable.add_argument(
+        "--attention",
+        choices=["auto", "sdpa", "varlen"],
+        default="auto",
+        help="attention kernel: varlen (CUDA: torch's FlashAttention over each request's own tokens) or sdpa "
+        "(a mask across the whole batch); auto: varlen where it runs (docs/PERFORMANCE.md)",
+    )
+    portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
+    trt = parser.add_argument_group("TensorRT-LLM engine")
+    trt.add_argument("--quant", choices=list(QUANT_ALGOS), default="none", help="weight (and activation) quantization")
+    trt.add_argument("--kv-cache-quant", choices=list(KV_CACHE_QUANT_ALGOS), default="none")
+    trt.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per pipeline stage)")
+    trt.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    trt.add_argument("--max-num-tokens", type=int, default=8192, help="tokens per engine step")
+    trt.add_argument(
+        "--calib-dataset", default="cnn_dailymail", help="for calibrated quantization: name or local folder"
+    )
+    trt.add_argument(
+        "--kv-cache-free-gpu-mem-fraction",
+        type=float,
+        default=0.85,
+        help="share of the GPU memory left after loading the engine that the KV cache may take",
+    )
+    trt.add_argument("--engine-dir", type=Path, help="serve this existing engine folder instead of building one")
+    trt.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)  # the in-image half of a build
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    build_dir = args.build_dir.resolve()
+    try:
+        model_dir = resolve_model(args.model or None, build_dir)
+        if args.engine == "portable":
+            plan = plan_portable(model_dir, args)
+        else:
+            engine_dir = (args.engine_dir or default_engine_dir(build_dir, model_dir, args)).resolve()
+            if args.engine_dir is None:
+                build_trtllm_engine(model_dir, engine_dir, build_dir, args, argv)
+            if args.engine_only:
+                return 0
+            plan = plan_trtllm(model_dir, engine_dir, args)
+        models = write_repository(plan.template_values(), build_dir / "model_repository", flavor=plan.engine)
+    except (ModelSourceError, RepositoryError, BuildError, ValueError) as exc:
+        print(f"build_engines.py: {exc}", file=sys.stderr)
+        return 2
+    manifest = {
+        **{k: v for k, v in asdict(plan).items() if k not in ("engine_values", "details")},
+        **plan.details,
+        "tokenizer_dir": plan.model_dir,
+        "server_options": plan.server_options(),
+        "model_source": args.model or "default",
+        "models": models,
+        "versions": versions(),
+    }
+    (build_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    print(
+        f"Rendered {build_dir / 'model_repository'} ({', '.join(models)}) for the {plan.engine} engine, "
+        f"{plan.dtype}, max batch {plan.max_batch_size}, max input {plan.max_input_len}, "
+        f"max sequence {plan.max_seq_len} tokens."
+    )
+    return 0

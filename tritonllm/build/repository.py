@@ -1,0 +1,151 @@
+"""Render the Triton model repository from `model_repository/` templates, and prove it sound.
+
+Every `${name}` in a template is filled from values derived from the model; a placeholder left
+unfilled, a value that no template uses, a config that does not parse into Triton's real
+`ModelConfig` message, or an ensemble whose wiring does not hold is an error naming the model
+and the field, and nothing is written. Folders of `model_repository/` starting with "_" are not
+models: `_shared/<name>.pbtxt` fills `${<name>}` wherever it appears, and
+`_flavors/<flavor>/<model>/` replaces `<model>/` for that engine flavor (e.g. trtllm).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from tritonclient.grpc import model_config_pb2 as mc
+
+from tritonllm.backend.model_config import parse_config, read_config
+from tritonllm.errors import ConfigError
+
+__all__ = ["RepositoryError", "read_config", "render_configs", "write_repository"]
+
+PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+TEMPLATES = Path(__file__).resolve().parent / "model_repository"  # the top-level model_repository/, packaged
+DTYPE_NAMES = {v: k for k, v in mc.DataType.items()}
+
+
+class RepositoryError(ConfigError):
+    """The rendered repository would not load or would not work; says which model and field."""
+
+
+def fill(text: str, values: dict[str, str], where: str, used: set[str]) -> str:
+    def substitute(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in values:
+            raise RepositoryError(f"{where}: placeholder ${{{name}}} has no value")
+        used.add(name)
+        return str(values[name])
+
+    return PLACEHOLDER.sub(substitute, text)
+
+
+def model_folders(templates: Path, flavor: str) -> dict[str, Path]:
+    """Model name -> template folder; `_flavors/<flavor>/<model>` replaces the default folder of that model."""
+    folders = {p.name: p for p in templates.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    overrides = templates / "_flavors" / flavor
+    if overrides.is_dir():
+        folders.update({p.name: p for p in overrides.iterdir() if p.is_dir()})
+    return dict(sorted(folders.items()))
+
+
+def render_configs(
+    values: dict[str, str], templates: Path = TEMPLATES, flavor: str = "portable"
+) -> dict[str, tuple[str, mc.ModelConfig]]:
+    """Model name -> (config text, parsed config), after all checks."""
+    fragments = {p.stem: p.read_text() for p in sorted((templates / "_shared").glob("*.pbtxt"))}
+    overlap = fragments.keys() & values.keys()
+    if overlap:
+        raise RepositoryError(f"values {sorted(overlap)} clash with the shared fragments of the same name")
+    used: set[str] = set()
+    rendered = {}
+    for folder in model_folders(templates, flavor).values():
+        where = f"{folder.relative_to(templates)}/config.pbtxt"
+        template = (folder / "config.pbtxt").read_text()
+        text = fill(template, {**fragments, **values}, where, used)
+        try:
+            config = parse_config(text, where)
+        except ConfigError as exc:
+            raise RepositoryError(str(exc)) from None
+        if config.name != folder.name:
+            raise RepositoryError(f"{where}: name is '{config.name}', expected the folder name '{folder.name}'")
+        rendered[folder.name] = (text, config)
+    unused = values.keys() - used
+    if unused:
+        raise RepositoryError(f"values {sorted(unused)} are used by no template in {templates}")
+    check_ensembles({name: config for name, (_, config) in rendered.items()})
+    return rendered
+
+
+def _dtype(dtype: int) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype))
+
+
+def check_ensembles(configs: dict[str, mc.ModelConfig]) -> None:
+    """Every ensemble step maps existing tensors of matching types, and the ensemble can answer /infer."""
+    for ensemble in (c for c in configs.values() if c.platform == "ensemble"):
+        where = f"ensemble '{ensemble.name}'"
+        produced = {t.name: t.data_type for t in ensemble.input}
+        for index, step in enumerate(ensemble.ensemble_scheduling.step):
+            model = configs.get(step.model_name)
+            at = f"{where} step {index} ({step.model_name})"
+            if model is None:
+                raise RepositoryError(f"{at}: no model named '{step.model_name}' in the repository")
+            if model.model_transaction_policy.decoupled:
+                raise RepositoryError(
+                    f"{at}: the model is decoupled, which would make the ensemble decoupled and refused by HTTP /infer"
+                )
+            if ensemble.max_batch_size > model.max_batch_size:
+                raise RepositoryError(
+                    f"{at}: max_batch_size {model.max_batch_size} is below the ensemble's {ensemble.max_batch_size}"
+                )
+            inputs = {t.name: t for t in model.input}
+            for key, tensor in step.input_map.items():
+                if key not in inputs:
+                    raise RepositoryError(f"{at}: input_map key '{key}' is not an input of {model.name}")
+                if tensor not in produced:
+                    raise RepositoryError(f"{at}: input '{key}' reads '{tensor}', which nothing before it produces")
+                if produced[tensor] != inputs[key].data_type:
+                    want, have = _dtype(inputs[key].data_type), _dtype(produced[tensor])
+                    raise RepositoryError(f"{at}: input '{key}' is {want} but '{tensor}' is {have}")
+            missing = [n for n, t in inputs.items() if not t.optional and n not in step.input_map]
+            if missing:
+                raise RepositoryError(f"{at}: required inputs {missing} are not mapped")
+            outputs = {t.name: t.data_type for t in model.output}
+            for key, tensor in step.output_map.items():
+                if key not in outputs:
+                    raise RepositoryError(f"{at}: output_map key '{key}' is not an output of {model.name}")
+                produced[tensor] = outputs[key]
+        for output in ensemble.output:
+            if output.name not in produced:
+                raise RepositoryError(f"{where}: output '{output.name}' is produced by no step")
+            if produced[output.name] != output.data_type:
+                want, have = _dtype(output.data_type), _dtype(produced[output.name])
+                raise RepositoryError(f"{where}: output '{output.name}' is {want} but its step gives {have}")
+
+
+def write_repository(
+    values: dict[str, str], out_dir: Path, templates: Path = TEMPLATES, flavor: str = "portable"
+) -> list[str]:
+    """Render, check, then replace `out_dir` in one step. Returns the model names."""
+    rendered = render_configs(values, templates, flavor)
+    folders = model_folders(templates, flavor)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        for name, (text, _) in rendered.items():
+            target = staging / name
+            shutil.copytree(
+                folders[name], target, ignore=shutil.ignore_patterns("__pycache__", "config.pbtxt", ".keep")
+            )
+            (target / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an ensemble's
+            (target / "config.pbtxt").write_text(text)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return sorted(rendered)

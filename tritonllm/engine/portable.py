@@ -1,0 +1,305 @@
+"""The portable engine: a Hugging Face causal LM behind transformers' continuous batching.
+
+Requests join the running batch as they arrive (in-flight batching); the batching itself is
+transformers' `ContinuousBatchingManager`. This module adds what a serving engine needs around
+it, with TensorRT-LLM's semantics: per-request end id, stop and bad word sequences, seeded
+sampling, streaming of new tokens, cancellation, and a finish reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+from tritonllm.engine import attention
+from tritonllm.engine.api import (
+    FINISH_CANCELLED,
+    FINISH_EOS,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    BlockingGenerate,
+    Emission,
+    EngineConfig,
+    GenerationRequest,
+    check_request,
+)
+from tritonllm.engine.cpu_threads import on_fresh_thread, start_yielding
+from tritonllm.engine.norms import fuse_rms_norms
+from tritonllm.engine.projections import merge_projections
+from tritonllm.engine.sampling import ends_with, key_graphs_by_processors, request_processors
+from tritonllm.engine.step_graphs import graph_steps_up_to
+from tritonllm.protocol import MAX_WORD_SEQUENCES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Active:
+    request: GenerationRequest
+    emit: Callable[[Emission], None]
+    tokens: list[int] = field(default_factory=list)  # generated so far, end id excluded
+    seen: int = 0  # tokens of the manager's output already processed
+    sent: int = 0  # tokens already emitted (streaming)
+    submitted: float = field(default_factory=time.perf_counter)
+    token_times: tuple[float, float] | None = None  # (first, last) generated token, perf_counter clock
+
+
+class PortableEngine(BlockingGenerate):
+    """One model, one batching manager, one thread that routes the manager's outputs to requests."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        varlen = config.attention == attention.VARLEN
+        if varlen and (reason := attention.unavailable_reason(config.device, config.dtype)):
+            raise ValueError(f"attention {attention.VARLEN!r}: {reason}")
+        if config.async_batching and not config.device.startswith("cuda"):
+            raise ValueError("async_batching runs on CUDA devices only (transformers' double-buffered steps)")
+        if config.device.startswith("cuda"):
+            # A process-wide setting: the engine owns its process (one per Triton model instance).
+            torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
+        if config.device == "cpu":
+            # Only the generation thread is to keep an OpenMP team: loading on the caller's thread would
+            # leave a second one, and cut a small host's decode speed by a third (tritonllm/engine/cpu_threads.py).
+            on_fresh_thread(self._start)
+        else:
+            self._start()
+
+    def _start(self) -> None:
+        """Loads the model, creates the batching manager and starts it and the output router."""
+        config = self.config
+        varlen = config.attention == attention.VARLEN
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.model_dir,
+            dtype=getattr(torch, config.dtype),
+            attn_implementation="sdpa" if varlen else config.attention,
+        ).to(config.device)
+        self.model.eval()
+        if config.fused_norms:
+            log.info("%d RMSNorm layers run as torch's rms_norm", fuse_rms_norms(self.model))
+        if config.fused_projections:
+            log.info("%d groups of projections run as one product each", merge_projections(self.model))
+        generation_config = GenerationConfig(
+            do_sample=False, max_new_tokens=config.max_seq_len, eos_token_id=-1, pad_token_id=0
+        )
+        self._manager = self.model.init_continuous_batching(
+            generation_config=generation_config,
+            continuous_batching_config=batching_config(
+                page_size=config.page_size,
+                num_blocks=max(1, config.kv_cache_tokens // config.page_size),
+                max_batch_tokens=config.max_batch_tokens,
+                max_requests_per_batch=config.max_batch_size,
+                use_cuda_graph=config.cuda_graphs,
+                q_padding_interval_size=config.graph_q_padding,
+                kv_padding_interval_size=config.graph_kv_padding,
+                # The processors prepare from what the host knows before the previous step's token (sampling.py).
+                use_async_batching=config.async_batching,
+                auto_switch_to_flash=False,
+                varlen_compile_config=compile_config(self.model.config) if config.compile else None,
+            ),
+        )
+        if varlen:
+            # After the manager checked the implementation, before it allocates its step buffers (attention.py).
+            self.model.set_attn_implementation(attention.register())
+        processors = request_processors(max_words=MAX_WORD_SEQUENCES)
+        self._manager.logit_processor = processors
+        self._graph_stores: list = []
+        if config.cuda_graphs:
+            # Capture the largest graphs now, which sizes their shared memory pool, rather than in the first
+            # requests' latency; smaller shapes are captured when first met. The largest step then runs without
+            # its graph (graph_steps_up_to): that capture is kept for the pool's size only.
+            self._manager.warmup()
+            processor = self._manager.batch_processor
+            self._graph_stores = key_graphs_by_processors(processor.inputs_and_outputs, processors)
+            graph_steps_up_to(
+                processor.model_runner,
+                processor.inputs_and_outputs,
+                config.graph_max_q_tokens or config.max_batch_size,
+            )
+        self._active: dict[str, _Active] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stopping = threading.Event()
+        self._router = threading.Thread(target=self._route_outputs, name="engine-output-router", daemon=True)
+        if config.device == "cpu":
+            # The generation loop and its OpenMP team yield the cores to the stream's other steps when they wake.
+            start_yielding(self._manager.start, config.cpu_niceness)
+        else:
+            self._manager.start()
+        self._router.start()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        """Queue a request; `emit` is called from the engine's thread as tokens arrive."""
+        check_request(request)
+        request_id = f"r{next(self._ids)}"
+        active = _Active(request, emit)
+        kwargs = request.sampling.as_kwargs()
+        if request.bad_words:
+            kwargs["bad_words"] = request.bad_words
+        with self._lock:
+            self._active[request_id] = active
+        # The manager reports every token when we must look at each one (stop words, streaming).
+        per_token = request.streaming or bool(request.stop_words)
+        self._manager.add_request(
+            input_ids=request.input_ids,
+            request_id=request_id,
+            max_new_tokens=request.max_new_tokens,
+            streaming=per_token,
+            record_timestamps=True,
+            eos_token_id=request.end_id,
+            **kwargs,
+        )
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request and free its place in the batch; it gets a final "cancelled" emission."""
+        with self._lock:
+            active = self._active.pop(request_id, None)
+        if active is not None:
+            self._manager.cancel_request(request_id)
+            _finish(active, FINISH_CANCELLED)
+
+    def running(self) -> int:
+        """Requests submitted and not finished."""
+        with self._lock:
+            return len(self._active)
+
+    def in_batch(self) -> int:
+        """Requests in the running batch (the others submitted wait for a slot)."""
+        processor = self._manager.batch_processor
+        return len(processor.scheduler.active_requests) if processor is not None else 0
+
+    def alive(self) -> bool:
+        """Whether the generation loop runs (when it stops, the router fails every request and ends)."""
+        return self._router.is_alive()
+
+    def captured_graphs(self) -> int:
+        """CUDA graphs held: one per step shape and processing met so far, in each step buffer set (two under
+        asynchronous batching). They are kept for the engine's life; a rising count means steps pay captures."""
+        return sum(len(store) for store in self._graph_stores)
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            pending = list(self._active.items())
+            self._active.clear()
+        for request_id, active in pending:
+            self._manager.cancel_request(request_id)
+            _finish(active, FINISH_ERROR, "the engine is shutting down")
+        self._manager.stop(block=True, timeout=10)
+        self._router.join(timeout=5)
+
+    # ------------------------------------------------------------------ output routing
+
+    def _route_outputs(self) -> None:
+        while not self._stopping.is_set():
+            output = self._manager.get_result(timeout=0.1)
+            if output is None:
+                if not self._manager.is_running() and not self._stopping.is_set():
+                    self._fail_all("the generation loop stopped unexpectedly")
+                    return
+                continue
+            with self._lock:
+                active = self._active.get(output.request_id)
+            if active is None:  # cancelled meanwhile
+                continue
+            try:
+                self._advance(output.request_id, active, output)
+            except Exception as exc:  # a bug here must not kill routing for every other request
+                log.exception("routing output of %s failed", output.request_id)
+                self._drop(output.request_id, active, FINISH_ERROR, f"internal error: {exc}")
+
+    def _advance(self, request_id: str, active: _Active, output: GenerationOutput) -> None:
+        if output.status == RequestStatus.FAILED:
+            self._drop(request_id, active, FINISH_ERROR, output.error or "generation failed")
+            return
+        request = active.request
+        reason = None
+        if output.timestamps:
+            active.token_times = (output.timestamps[0], output.timestamps[-1])
+        for token in output.generated_tokens[active.seen :]:
+            active.seen += 1
+            if token == request.end_id:
+                reason = FINISH_EOS
+                break
+            active.tokens.append(token)
+            if any(ends_with(active.tokens, word) for word in request.stop_words):
+                reason = FINISH_STOP
+                self._manager.cancel_request(request_id)
+                break
+            if len(active.tokens) >= request.max_new_tokens:
+                reason = FINISH_LENGTH
+                break
+        if reason is None and output.is_finished():
+            reason = FINISH_LENGTH
+        if reason is not None:
+            self._drop(request_id, active, reason)
+        elif request.streaming and len(active.tokens) > active.sent:
+            new = active.tokens[active.sent :]
+            active.sent = len(active.tokens)
+            active.emit(Emission(new))
+
+    def _drop(self, request_id: str, active: _Active, reason: str, error: str | None = None) -> None:
+        with self._lock:
+            if self._active.pop(request_id, None) is None:
+                return  # already finished (cancelled concurrently)
+        _finish(active, reason, error)
+
+    def _fail_all(self, error: str) -> None:
+        with self._lock:
+            pending = list(self._active.values())
+            self._active.clear()
+        for active in pending:
+            _finish(active, FINISH_ERROR, error)
+
+
+def _finish(active: _Active, reason: str, error: str | None = None) -> None:
+    tokens = active.tokens[active.sent :] if active.request.streaming else active.tokens
+    active.sent = len(active.tokens)
+    ttft = tpot = None
+    if active.token_times is not None:
+        first, last = active.token_times
+        ttft = first - active.submitted
+        tpot = (last - first) / (active.seen - 1) if active.seen > 1 else None
+    active.emit(Emission(list(tokens), reason, error, ttft, tpot))
+
+
+def compile_config(model_config) -> CompileConfig:
+    """torch.compile settings for the batching manager's step: the forward pass and the bad-word bans (the
+    sampling draw stays eager, tritonllm/engine/sampling.py).
+
+    transformers' paged cache update is a graph break inside each attention layer, and the code before it is
+    specialised on the layer's index, so a model needs one compiled entry per layer: dynamo's default limit
+    of 8 would leave the other layers uncompiled. Newer torch releases take the limit per compiled function
+    (their global setting is thread-local, and the manager compiles in its own thread).
+    """
+    limit = 2 * getattr(model_config, "num_hidden_layers", 0) + 8
+    settings = CompileConfig(mode="default", fullgraph=False, dynamic=True)
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        settings.recompile_limit = limit
+    else:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+    return settings
+
+
+def batching_config(**options) -> ContinuousBatchingConfig:
+    """A ContinuousBatchingConfig from the options this transformers release knows. Releases before
+    5.17's rename call `page_size` `block_size`, and some lack `auto_switch_to_flash` (then they
+    never switch the attention implementation): NVIDIA's and other images pin their own release."""
+    known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    if "page_size" not in known and "page_size" in options:
+        options["block_size"] = options.pop("page_size")
+    return ContinuousBatchingConfig(**{k: v for k, v in options.items() if k in known})

@@ -1,0 +1,225 @@
+"""The portable engine in a process of its own, as vLLM's engine core runs apart from its API server.
+
+In one process, a single interpreter lock carries both the generation loop (transformers' host work
+for every step of every request) and the engine model's response sender (a Triton response per token
+per stream): on an H200 with 256 streams the engine's stub sat at ~0.95 cores and served streams
+reached 0.82-0.95 of the same engine in-process, depending on the host (docs/PERFORMANCE.md). With
+`EngineProcess` the stub parses requests and sends responses while a child process
+(`python -m tritonllm.engine.process FD`) runs `PortableEngine`; requests go to it one message each,
+and it sends back everything its engine emitted since its previous message in one message.
+
+The child ends when its connection does: when the stub stops, or dies, the socket closes and the
+child exits, so no orphan keeps the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from tritonllm.engine.api import (
+    FINISH_ERROR,
+    BlockingGenerate,
+    Emission,
+    EngineConfig,
+    GenerationRequest,
+    check_request,
+)
+from tritonllm.errors import EngineFailure
+
+LOAD_PERIOD = 0.2  # seconds between the child's load reports while it emits nothing
+
+
+class EngineProcessError(EngineFailure):
+    """The engine's process failed to start, or ended."""
+
+
+class EngineProcess(BlockingGenerate):
+    """`PortableEngine`'s interface, served by a child process. `emit` callbacks run on this process's reader
+    thread, in the order the child's engine made the emissions."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        here, there = socket.socketpair()
+        self._conn = Connection(here.detach())
+        # In a stub, sys.executable is the server environment's python, whose packages the stub imports.
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "tritonllm.engine.process", str(there.fileno())], pass_fds=[there.fileno()]
+        )
+        there.close()
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._emits: dict[str, Callable[[Emission], None]] = {}
+        self._ids = itertools.count()
+        self._load = (0, 0)  # the child's latest (requests in the batch, CUDA graphs held)
+        self._ended: str | None = None  # why the child is gone, once it is
+        self._send(("config", config))
+        try:
+            answer = self._conn.recv()
+        except (EOFError, OSError):
+            answer = ("failed", f"it exited with code {self._process.wait()} before it was ready")
+        if answer[0] != "ready":
+            self._process.wait()
+            raise EngineProcessError(f"the engine's process failed to start: {answer[1]}")
+        self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------ PortableEngine's interface
+
+    def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        check_request(request)
+        request_id = f"p{next(self._ids)}"
+        with self._lock:
+            ended = self._ended
+            if ended is None:
+                self._emits[request_id] = emit
+        if ended is not None:
+            emit(Emission([], FINISH_ERROR, ended))
+            return request_id
+        self._send(("submit", request_id, request))
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            live = request_id in self._emits
+        if live:
+            self._send(("cancel", request_id))
+
+    def running(self) -> int:
+        with self._lock:
+            return len(self._emits)
+
+    def in_batch(self) -> int:
+        return self._load[0]
+
+    def captured_graphs(self) -> int:
+        return self._load[1]
+
+    def alive(self) -> bool:
+        return self._ended is None
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """The child's engine fails what is still running (as PortableEngine.shutdown does), then it exits."""
+        self._send(("stop",))
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._reader.join(timeout=5)
+        self._conn.close()
+
+    # ------------------------------------------------------------------ the connection
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock, contextlib.suppress(OSError):  # a child that is gone: the reader fails its requests
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                _, emissions, self._load = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            for request_id, emission in emissions:
+                with self._lock:
+                    emit = self._emits.pop(request_id) if emission.final else self._emits.get(request_id)
+                if emit is not None:
+                    emit(emission)
+        code = self._process.wait()
+        reason = "the engine's process has stopped" if code == 0 else f"the engine's process exited with code {code}"
+        with self._lock:
+            self._ended = reason
+            pending = list(self._emits.values())
+            self._emits.clear()
+        for emit in pending:
+            emit(Emission([], FINISH_ERROR, reason))
+
+
+# ---------------------------------------------------------------------- the child
+
+
+def serve(conn: Connection) -> int:
+    """Runs the engine the first message configures, until the connection ends or asks it to stop."""
+    from tritonllm.engine.portable import PortableEngine  # torch and transformers: only this process loads them
+
+    _, config = conn.recv()
+    try:
+        engine = PortableEngine(config)
+    except BaseException as exc:
+        traceback.print_exc()  # into the server's log; the parent's error names the exception
+        conn.send(("failed", "".join(traceback.format_exception_only(exc)).strip()))
+        return 1
+    outgoing: queue.SimpleQueue = queue.SimpleQueue()
+    engine_ids: dict[str, str] = {}  # the parent's request ids -> the engine's, while they run
+    submitting = threading.Lock()  # a request may finish before `submit` has returned its id
+
+    def emitter(request_id: str) -> Callable[[Emission], None]:
+        def emit(emission: Emission) -> None:
+            if emission.final:
+                with submitting:
+                    engine_ids.pop(request_id, None)
+            outgoing.put((request_id, emission))
+
+        return emit
+
+    sender = threading.Thread(target=_send_emissions, args=(conn, outgoing, engine), name="engine-process-sender")
+    conn.send(("ready",))
+    sender.start()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break  # the parent is gone
+        if message[0] == "submit":
+            _, request_id, request = message
+            try:
+                with submitting:
+                    engine_ids[request_id] = engine.submit(request, emitter(request_id))
+            except Exception as exc:
+                outgoing.put((request_id, Emission([], FINISH_ERROR, str(exc))))
+        elif message[0] == "cancel":
+            if (engine_id := engine_ids.get(message[1])) is not None:
+                engine.cancel(engine_id)
+        elif message[0] == "stop":
+            break
+    engine.shutdown()
+    outgoing.put(None)
+    sender.join()
+    return 0
+
+
+def _send_emissions(conn: Connection, outgoing: queue.SimpleQueue, engine) -> None:
+    """One message per wake-up: every emission queued since the last one, and the engine's load."""
+    done = False
+    while not done:
+        try:
+            items = [outgoing.get(timeout=LOAD_PERIOD)]
+        except queue.Empty:
+            items = []
+        while True:
+            try:
+                items.append(outgoing.get_nowait())
+            except queue.Empty:
+                break
+        done = None in items
+        try:
+            conn.send(("emissions", [i for i in items if i is not None], (engine.in_batch(), engine.captured_graphs())))
+        except OSError:
+            return  # the parent is gone; the main loop sees it too
+
+
+if __name__ == "__main__":
+    connection = Connection(int(sys.argv[1]))
+    code = serve(connection)
+    connection.close()
+    sys.stdout.flush()
+    os._exit(code)  # the engine's threads are stopped or daemons: do not wait on torch's own at exit

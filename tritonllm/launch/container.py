@@ -1,0 +1,83 @@
+"""The image's entrypoint (Kubernetes, `make serve ENGINE=trtllm`): build once, launch tritonserver, probe it.
+
+python -m tritonllm.launch.container build-once -- BUILD_ARGS   build_engines.py unless already built
+python -m tritonllm.launch.container launch BUILD_DIR           check the build, become tritonserver
+python -m tritonllm.launch.container probe [GRPC_URL]           exit 0 when the engine answers (liveness)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+from tritonllm.build import builder
+from tritonllm.launch.tritonserver import CONTAINER_BINARY, CONTAINER_PORTS, probe_engine, server_command
+from tritonllm.trtllm.engine_dir import check_version, read_engine
+
+
+def build_once(build_args: list[str], build_dir: Path) -> int:
+    """build_engines.py with these arguments, unless the build folder already holds their build."""
+    stamp = build_dir / "build-args.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == build_args and (build_dir / "manifest.json").is_file():
+        print(f"{build_dir} already holds this build; nothing to do", flush=True)
+        return 0
+    code = builder.main(build_args)
+    if code == 0:
+        stamp.write_text(json.dumps(build_args))
+    return code
+
+
+def launch(build_dir: Path, exit_timeout: int) -> None:
+    """In the image: check the build, then become tritonserver (or mpirun with one rank per GPU)."""
+    manifest = json.loads((build_dir / "manifest.json").read_text())
+    world_size = 1
+    if manifest["engine"] == "trtllm":
+        info = read_engine(Path(manifest["engine_dir"]))
+        check_version(info, version("tensorrt_llm"))
+        world_size = info.world_size
+    command = server_command(
+        CONTAINER_BINARY,
+        build_dir / "model_repository",
+        address="0.0.0.0",
+        ports=CONTAINER_PORTS,
+        build_options=manifest.get("server_options", []),
+        admin_key=os.environ.get("TRITONLLM_ADMIN_KEY"),
+        exit_timeout=exit_timeout,
+        world_size=world_size,
+    )
+    os.execvp(command[0], command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tritonllm.launch.container",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    once = commands.add_parser("build-once", help="build_engines.py with these arguments unless already built")
+    once.add_argument("build_args", nargs=argparse.REMAINDER)
+    start = commands.add_parser("launch", help="check the build, then become tritonserver")
+    start.add_argument("build_dir", type=Path)
+    start.add_argument("--exit-timeout", type=int, default=60)
+    probe = commands.add_parser("probe", help="exit 0 when the engine answers")
+    probe.add_argument("grpc_url", nargs="?", default=f"127.0.0.1:{CONTAINER_PORTS['grpc']}")
+    args = parser.parse_args(argv)
+    if args.command == "build-once":
+        build_args = args.build_args[1:] if args.build_args[:1] == ["--"] else args.build_args
+        return build_once(build_args, builder.parse_args(build_args).build_dir)
+    if args.command == "launch":
+        launch(args.build_dir, args.exit_timeout)
+        return 0
+    problem = probe_engine(args.grpc_url)
+    if problem:
+        print(f"engine: {problem}", file=sys.stderr)
+    return 1 if problem else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

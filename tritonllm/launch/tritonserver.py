@@ -1,0 +1,425 @@
+"""Run the `tritonserver` 2.51 binary shipped in the `nvidia-pytriton` wheel, without Docker.
+
+Only the binary is used, not PyTriton's API. Its Python backend needs a stub built for this
+Python version next to `libtriton_python.so`, the wheel's bundled libraries and the interpreter's
+libpython on LD_LIBRARY_PATH (libpython's folder only where the loader would not find it), and this
+environment's `bin/` first on PATH so that the stub imports this environment's packages (numpy,
+torch, transformers, tritonllm).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tritonllm.errors import TritonLLMError
+from tritonllm.protocol import ENGINE_MODEL, PORTS
+
+CONTAINER_BINARY = "/opt/tritonserver/bin/tritonserver"  # in NVIDIA's images
+CONTAINER_PORTS = PORTS  # inside the image the server listens on the default ports; docker publishes them
+
+
+class ServerError(TritonLLMError, RuntimeError):
+    """tritonserver cannot start, or stopped; the message says why and what to do."""
+
+
+def pytriton_root() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("The nvidia-pytriton wheel (which carries tritonserver) is not installed: run `make build`.")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def prepare_backends(work_dir: Path) -> Path:
+    """A backend folder whose Python backend has the stub for this interpreter; returns it."""
+    server_root = pytriton_root() / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = server_root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"tritonserver's Python backend has no stub for Python {version}; use Python 3.8 to 3.13.")
+    python_backend = work_dir / "backends" / "python"
+    python_backend.mkdir(parents=True, exist_ok=True)
+    # Written aside, then renamed into place: a server already running from this folder keeps its files.
+    for item in (server_root / "backends" / "python").iterdir():
+        if item.is_file():
+            staged = python_backend / f".{item.name}.{os.getpid()}"
+            staged.unlink(missing_ok=True)
+            staged.symlink_to(item)
+            os.replace(staged, python_backend / item.name)
+    staged = python_backend / f".{stub.name}.{os.getpid()}"
+    shutil.copy2(stub, staged)
+    staged.chmod(0o755)
+    os.replace(staged, python_backend / stub.name)
+    return work_dir / "backends"
+
+
+def loader_dirs() -> set[Path]:
+    """The directories of the dynamic loader's cache (resolved): searched without LD_LIBRARY_PATH."""
+    try:
+        listing = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return set()
+    return {Path(line.rsplit("=> ", 1)[1]).parent.resolve() for line in listing.splitlines() if "=> " in line}
+
+
+def server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    libs = [str(pytriton_root().parent / "nvidia_pytriton.libs")]  # hashed names: they shadow nothing
+    libdir = sysconfig.get_config_var("LIBDIR")
+    # The stub links this interpreter's libpython. Its folder goes on LD_LIBRARY_PATH only when the
+    # loader would not search it anyway: LD_LIBRARY_PATH outranks the RUNPATH through which pip's
+    # CUDA libraries find each other, so a system folder there (with the image's own cuDNN) gave
+    # torch in the engine's stub a mix of two cuDNN releases and no cuDNN attention: served steps
+    # ran 1.5x slower than in-process on an H200 (docs/PERFORMANCE.md).
+    if libdir and Path(libdir).resolve() not in loader_dirs():
+        libs.insert(0, libdir)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def metric_samples(text: str, prefix: str = "tritonllm_") -> dict[str, float]:
+    """The samples of Prometheus text whose name starts with `prefix`, keyed by their name and labels."""
+    return {
+        key: float(value)
+        for key, value in (line.rsplit(" ", 1) for line in text.splitlines() if line.startswith(prefix))
+    }
+
+
+def metric_value(samples: dict[str, float], name: str, **labels) -> float:
+    """The sum of `name`'s samples that carry all of `labels`."""
+    return sum(
+        v for k, v in samples.items() if k.split("{")[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items())
+    )
+
+
+@dataclass
+class TritonServer:
+    repository: Path
+    work_dir: Path
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    host: str = "127.0.0.1"
+    log_file: Path | None = None  # None: inherit this process's stdout/stderr
+    admin_key: str | None = None  # when set, the administrative APIs need header tritonllm-admin-key: <key>
+
+    process: subprocess.Popen | None = None
+
+    @classmethod
+    def on_free_ports(cls, build_dir: Path, log_file: Path | None = None) -> TritonServer:
+        """A server for build_dir's repository on ports nothing uses (tests, benchmarks)."""
+        return cls(
+            build_dir / "model_repository",
+            build_dir / "tritonserver",
+            free_port(),
+            free_port(),
+            free_port(),
+            log_file=log_file,
+        )
+
+    def command(self) -> list[str]:
+        return server_command(
+            pytriton_root() / "tritonserver" / "bin" / "tritonserver",
+            self.repository,
+            address=self.host,
+            ports={"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port},
+            build_options=build_options(self.repository),
+            admin_key=self.admin_key,
+            backend_dir=prepare_backends(self.work_dir),
+        )
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    def start(self, timeout: float = 300.0) -> None:
+        if not (self.repository / "ensemble" / "config.pbtxt").is_file():
+            raise ServerError(f"{self.repository} holds no rendered model repository: run `make build` first.")
+        for port in (self.http_port, self.grpc_port, self.metrics_port):
+            if port_in_use(self.host, port):
+                raise ServerError(
+                    f"port {port} on {self.host} is already in use (another server?). Stop it or choose other ports: "
+                    "make serve HTTP_PORT=... GRPC_PORT=... METRICS_PORT=..."
+                )
+        output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
+        self._output = output
+        self.process = subprocess.Popen(
+            self.command(),
+            env=server_env(),
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            start_new_session=True,
+        )
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                where = f" (see {self.log_file})" if self.log_file else ""
+                raise ServerError(
+                    f"tritonserver exited with code {self.process.returncode} while loading models{where}"
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        raise ServerError(f"tritonserver was not ready after {timeout:.0f} s")
+
+    def is_ready(self) -> bool:
+        return http_ready(self.http_url)
+
+    def metrics(self, timeout: float = 10.0) -> str:
+        """The metrics port's Prometheus text."""
+        with urllib.request.urlopen(f"http://{self.host}:{self.metrics_port}/metrics", timeout=timeout) as response:
+            return response.read().decode()
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGINT (Triton drains and unloads models), then SIGKILL of the whole group if it hangs."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if getattr(self, "_output", None):
+            self._output.close()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """At once, without draining: for a server whose engine is gone."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if getattr(self, "_output", None):
+            self._output.close()
+            self._output = None
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def build_options(repository: Path) -> list[str]:
+    """The server options the build recorded for this repository (BuildPlan.server_options)."""
+    manifest = repository.parent / "manifest.json"
+    return json.loads(manifest.read_text()).get("server_options", []) if manifest.is_file() else []
+
+
+def server_command(
+    binary: Path | str,
+    repository: Path,
+    *,
+    address: str,
+    ports: dict[str, int],
+    build_options: Sequence[str] = (),
+    admin_key: str | None = None,
+    exit_timeout: int | None = None,
+    backend_dir: Path | None = None,
+    world_size: int = 1,
+    engine_model: str = ENGINE_MODEL,
+) -> list[str]:
+    """The tritonserver command line every launcher runs: the repository, addresses and ports, the options
+    the build recorded, the restricted administrative APIs, and for a multi-GPU TensorRT-LLM engine one
+    server per rank under MPI (the tensorrtllm backend's leader mode: each rank gets its own Python-backend
+    shared-memory prefix, and ranks other than 0 load only the engine model)."""
+    args = [
+        str(binary),
+        f"--model-repository={repository}",
+        *([f"--backend-directory={backend_dir}"] if backend_dir else []),
+        *(
+            f"--{api}-{what}={value}"
+            for api in ("http", "grpc", "metrics")
+            for what, value in (("address", address), ("port", ports[api]))
+        ),
+        "--disable-auto-complete-config",
+        "--exit-on-error=true",
+        *([f"--exit-timeout-secs={exit_timeout}"] if exit_timeout is not None else []),
+        *build_options,
+        *restricted_api_flags(admin_key),
+    ]
+    if world_size == 1:
+        return args
+    command = ["mpirun", "--allow-run-as-root"]
+    for rank in range(world_size):
+        command += ["-n", "1", *args, f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        if rank:
+            command += ["--model-control-mode=explicit", f"--load-model={engine_model}"]
+        command.append(":")
+    return command[:-1]
+
+
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
+ADMIN_HEADER = "tritonllm-admin-key"
+
+
+def restricted_api_flags(key: str | None) -> list[str]:
+    """Triton's own restricted-API options: loading/unloading models, shared memory, logging and
+    tracing answer only requests that carry the key (inference, health and metadata stay open)."""
+    if not key:
+        return []
+    return [
+        f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
+        f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
+    ]
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def probe_engine(grpc_url: str, engine_model: str = "tensorrt_llm", timeout: float = 10.0) -> str | None:
+    """None if the engine answers; else why not. The probe is TensorRT-LLM's `stop` request for an
+    id no request has, which both engines answer at once without generating."""
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    one = np.ones((1, 1), dtype=np.int32)
+    inputs = []
+    for name, value, datatype in (
+        ("input_ids", one, "INT32"),
+        ("input_lengths", one, "INT32"),
+        ("request_output_len", one, "INT32"),
+        ("stop", np.array([[True]]), "BOOL"),
+    ):
+        tensor = grpcclient.InferInput(name, list(value.shape), datatype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    try:
+        with grpcclient.InferenceServerClient(grpc_url) as triton:
+            triton.start_stream(callback=lambda result, error: answers.put(error))
+            try:
+                triton.async_stream_infer(
+                    engine_model, inputs, request_id="tritonllm-health-probe", enable_empty_final_response=True
+                )
+                error = answers.get(timeout=timeout)
+            finally:
+                triton.stop_stream()
+    except queue.Empty:
+        return f"no answer in {timeout:.0f} s"
+    except Exception as exc:
+        return str(exc)
+    return None if error is None else error.message()
+
+
+def http_ready(http_url: str) -> bool:
+    """Whether a Triton server answers ready on `http_url` (host:port)."""
+    try:
+        with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+@dataclass
+class OpenAIFrontend:
+    """The OpenAI-compatible layer (tritonllm.openai.frontend) as a process beside tritonserver."""
+
+    grpc_url: str
+    tokenizer_dir: str
+    max_input_len: int
+    max_seq_len: int
+    port: int = 9000
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    model_name: str | None = None
+    log_file: Path | None = None
+
+    process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(self.tokenizer_dir).name
+
+    def start(self, timeout: float = 120.0) -> None:
+        if port_in_use(self.host, self.port):
+            raise ServerError(f"port {self.port} on {self.host} is already in use: choose another, OPENAI_PORT=...")
+        command = [
+            sys.executable,
+            "-m",
+            "tritonllm.openai.frontend",
+            "--grpc-url",
+            self.grpc_url,
+            "--tokenizer-dir",
+            self.tokenizer_dir,
+            "--max-input-len",
+            str(self.max_input_len),
+            "--max-seq-len",
+            str(self.max_seq_len),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
+        if self.model_name:
+            command += ["--model-name", self.model_name]
+        env = dict(os.environ, TRITONLLM_API_KEY=self.api_key or "")
+        output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
+        self._output = output
+        self.process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"the OpenAI-compatible layer exited with code {self.process.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise ServerError(f"the OpenAI-compatible layer did not answer on {self.url} within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        if getattr(self, "_output", None):
+            self._output.close()

@@ -1,0 +1,250 @@
+"""Text to the engine's inputs: prompt ids, lengths, end/pad ids and stop/bad word lists.
+
+Inputs and outputs use the names of NVIDIA's reference `preprocessing` model. Every limit is
+checked here, once, for both engine flavors, so a bad request fails fast with a message naming
+the input and its limit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tritonllm.errors import InputError
+from tritonllm.protocol import MAX_WORD_BYTES, MAX_WORDS
+
+MAX_BYTES_PER_TOKEN = 64  # no tokenizer we know packs more bytes into one token
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_input_len: int  # prompt tokens
+    max_seq_len: int  # prompt + generated tokens
+    vocab_size: int
+
+
+def as_text(value: object, field: str) -> str:
+    """A BYTES tensor element as str; invalid UTF-8 is a client error."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(field, f"is not valid UTF-8 (byte {exc.start})") from None
+    if isinstance(value, str):
+        return value
+    raise InputError(field, f"must be text, got {type(value).__name__}")
+
+
+def scalar(arrays: dict[str, np.ndarray], name: str, row: int):
+    """Element `row` of an optional per-row input, or None when the input is absent."""
+    array = arrays.get(name)
+    if array is None:
+        return None
+    flat = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(-1, 1)
+    if flat.shape[1] != 1:
+        raise InputError(name, f"must hold one value per request, got shape {list(array.shape)}")
+    return flat[row % flat.shape[0], 0].item()
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+    """Sampling inputs, whichever engine serves them."""
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise InputError("temperature", f"must be a finite number >= 0, got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise InputError("top_k", f"must be >= 0 (0 = no top-k), got {top_k}")
+    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise InputError("top_p", f"must be in (0, 1], got {top_p}")
+
+
+def word_list(sequences: Sequence[Sequence[int]]) -> np.ndarray:
+    """TensorRT-LLM's [2, L] word-list format: flattened ids, then cumulative end offsets padded with -1."""
+    flat = [t for seq in sequences for t in seq]
+    offsets = np.cumsum([len(seq) for seq in sequences], dtype=np.int64).tolist()
+    width = max(len(flat), len(offsets), 1)
+    out = np.zeros((2, width), dtype=np.int32)
+    out[1, :] = -1
+    out[0, : len(flat)] = flat
+    out[1, : len(offsets)] = offsets
+    return out
+
+
+def parse_word_list(array: np.ndarray | None) -> tuple[tuple[int, ...], ...]:
+    """Inverse of `word_list` for one request ([2, L] or [1, 2, L])."""
+    if array is None or array.size == 0:
+        return ()
+    array = array.reshape(2, -1)
+    flat, offsets = array[0].tolist(), [o for o in array[1].tolist() if o >= 0]
+    words, start = [], 0
+    for end in offsets:
+        if end > start:
+            words.append(tuple(flat[start:end]))
+        start = end
+    return tuple(words)
+
+
+class Preprocessor:
+    """Tokenizes every row of every request in one call to the fast tokenizer."""
+
+    def __init__(self, tokenizer, limits: Limits, add_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.add_special_tokens = add_special_tokens
+        self.end_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.end_id
+        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+
+    def _prompt(self, arrays: dict[str, np.ndarray], row: int) -> tuple[str, bool]:
+        """The text to tokenize, and whether the chat template made it."""
+        if scalar(arrays, "STREAM", row):
+            raise InputError(
+                "stream",
+                "the `ensemble` model answers once; to stream, call `tensorrt_llm_bls` with gRPC streaming "
+                "or POST /v2/models/tensorrt_llm_bls/generate_stream",
+            )
+        query = arrays.get("QUERY")
+        if query is None:
+            raise InputError("text_input", "is required")
+        raw = query.reshape(query.shape[0], -1)[row, 0]
+        if isinstance(raw, bytes) and len(raw) > MAX_BYTES_PER_TOKEN * self.limits.max_input_len:
+            # Refused before tokenizing: a multi-megabyte prompt would hold the tokenizer for seconds.
+            raise InputError(
+                "text_input",
+                f"{len(raw)} bytes, more than any prompt within the maximum input length of "
+                f"{self.limits.max_input_len} tokens",
+            )
+        text = as_text(raw, "text_input")
+        if not text.strip():
+            raise InputError("text_input", "is empty")
+        if scalar(arrays, "APPLY_CHAT_TEMPLATE", row):
+            if not self.has_chat_template:
+                raise InputError("apply_chat_template", "this model's tokenizer has no chat template")
+            chat = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+            )
+            return chat, True
+        return text, False
+
+    def _words(self, arrays: dict[str, np.ndarray], name: str, field: str, row: int) -> list[str]:
+        array = arrays.get(name)
+        if array is None:
+            return []
+        values = array.reshape(array.shape[0], -1)[row].tolist()
+        words = [as_text(v, field) for v in values]
+        words = [w for w in words if w != ""]  # empty strings mean "none" (reference clients send "")
+        if len(words) > MAX_WORDS:
+            raise InputError(field, f"{len(words)} words, more than the limit of {MAX_WORDS}")
+        for word in words:
+            if len(word.encode()) > MAX_WORD_BYTES:
+                raise InputError(field, f"a word is {len(word.encode())} bytes, over the limit of {MAX_WORD_BYTES}")
+        return words
+
+    def _word_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of each word, alone and after a space: mid-sentence, most tokenizers
+        spell a word with its leading space, so " Paris" is the sequence a model generates."""
+        variants = list(dict.fromkeys(v for w in words for v in (w, w if w[0].isspace() else " " + w)))
+        if not variants:
+            return []
+        return [ids for ids in self.tokenizer(variants, add_special_tokens=False)["input_ids"] if ids]
+
+    def _token_id(self, arrays: dict[str, np.ndarray], name: str, field: str, row: int, default: int) -> int:
+        value = scalar(arrays, name, row)
+        if value is None:
+            return default
+        if not -1 <= value < self.limits.vocab_size:
+            raise InputError(field, f"must be -1 or a token id below {self.limits.vocab_size}, got {value}")
+        return int(value)
+
+    def process(self, requests: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray] | InputError]:
+        """One result per request: its output tensors, or the InputError that rejects it."""
+        # Prompts of all requests, split by whether the chat template (which writes its own
+        # special tokens) was applied; each group is tokenized in one call.
+        groups: dict[bool, tuple[list[tuple[int, int]], list[str]]] = {False: ([], []), True: ([], [])}
+        results: list[dict[str, np.ndarray] | InputError] = []
+        for index, arrays in enumerate(requests):
+            try:
+                batch = arrays["QUERY"].shape[0] if "QUERY" in arrays else 1
+                prompts = [self._prompt(arrays, row) for row in range(batch)]
+            except InputError as exc:
+                results.append(exc)
+                continue
+            results.append({})
+            for row, (text, chat) in enumerate(prompts):
+                groups[chat][0].append((index, row))
+                groups[chat][1].append(text)
+        per_request: dict[int, dict[int, list[int]]] = {}
+        for chat, (keys, texts) in groups.items():
+            if texts:
+                add_special = self.add_special_tokens and not chat
+                for (index, row), ids in zip(
+                    keys, self.tokenizer(texts, add_special_tokens=add_special)["input_ids"], strict=True
+                ):
+                    per_request.setdefault(index, {})[row] = ids
+        for index, arrays in enumerate(requests):
+            if isinstance(results[index], InputError):
+                continue
+            try:
+                prompts = per_request[index]
+                results[index] = self._outputs(arrays, [prompts[row] for row in sorted(prompts)])
+            except InputError as exc:
+                results[index] = exc
+        return results
+
+    def _outputs(self, arrays: dict[str, np.ndarray], prompts: list[list[int]]) -> dict[str, np.ndarray]:
+        limits = self.limits
+        lengths, output_lens, end_ids, pad_ids, stops, bads = [], [], [], [], [], []
+        for row, ids in enumerate(prompts):
+            if len(ids) > limits.max_input_len:
+                raise InputError(
+                    "text_input",
+                    f"the prompt is {len(ids)} tokens, over the maximum input length of {limits.max_input_len}",
+                )
+            max_tokens = scalar(arrays, "REQUEST_OUTPUT_LEN", row)
+            if max_tokens is None:
+                raise InputError("max_tokens", "is required")
+            room = limits.max_seq_len - len(ids)
+            if not 1 <= max_tokens <= room:
+                raise InputError(
+                    "max_tokens",
+                    f"must be between 1 and {room} for this prompt of {len(ids)} tokens "
+                    f"(max sequence length {limits.max_seq_len}), got {max_tokens}",
+                )
+            check_sampling(
+                scalar(arrays, "TEMPERATURE", row), scalar(arrays, "TOP_K", row), scalar(arrays, "TOP_P", row)
+            )
+            lengths.append(len(ids))
+            output_lens.append(max_tokens)
+            end_ids.append(self._token_id(arrays, "END_ID", "end_id", row, self.end_id))
+            pad_ids.append(self._token_id(arrays, "PAD_ID", "pad_id", row, self.pad_id))
+            stops.append(word_list(self._word_ids(self._words(arrays, "STOP_WORDS_DICT", "stop_words", row))))
+            bads.append(word_list(self._word_ids(self._words(arrays, "BAD_WORDS_DICT", "bad_words", row))))
+
+        width = max(lengths)
+        input_ids = np.full((len(prompts), width), pad_ids[0], dtype=np.int32)
+        for row, ids in enumerate(prompts):
+            input_ids[row, : len(ids)] = ids
+        return {
+            "INPUT_ID": input_ids,
+            "REQUEST_INPUT_LEN": _column(lengths),
+            "REQUEST_OUTPUT_LEN": _column(output_lens),
+            "OUT_END_ID": _column(end_ids),
+            "OUT_PAD_ID": _column(pad_ids),
+            "STOP_WORDS_IDS": _stack_word_lists(stops),
+            "BAD_WORDS_IDS": _stack_word_lists(bads),
+        }
+
+
+def _column(values: list[int]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32).reshape(-1, 1)
+
+
+def _stack_word_lists(lists: list[np.ndarray]) -> np.ndarray:
+    width = max(a.shape[1] for a in lists)
+    out = np.zeros((len(lists), 2, width), dtype=np.int32)
+    out[:, 1, :] = -1
+    for row, array in enumerate(lists):
+        out[row, :, : array.shape[1]] = array
+    return out
