@@ -179,6 +179,28 @@ def test_rendered_trtllm_repository(engine_dir, tokenizer_dir, tmp_path):
     assert (out / "tensorrt_llm" / "1").is_dir()
 
 
+# Parameters NVIDIA's C++ tensorrtllm backend (TensorRT-LLM 1.2.1) reads with no fallback: ModelState::GetParameter
+# (triton_backend/inflight_batcher_llm/src/model_state.cc) throws "Cannot find parameter with name" when a key is
+# absent, and these calls are not guarded: the first two when ModelInstanceState is created (the path must be an
+# existing engine folder), the last three in ModelInstanceState::getGuidedDecodingConfigFromParams
+# (model_instance_state.cc). A missing one fails the model's load.
+UNGUARDED_TRTLLM_PARAMETERS = (
+    "gpt_model_type",
+    "gpt_model_path",
+    "tokenizer_dir",
+    "xgrammar_tokenizer_info_path",
+    "guided_decoding_backend",
+)
+
+
+def test_rendered_trtllm_config_has_every_parameter_the_backend_requires(engine_dir, tokenizer_dir):
+    configs = render_configs(trtllm_values(engine_dir, tokenizer_dir), flavor="trtllm")
+    params = configs["tensorrt_llm"][1].parameters
+    assert [p for p in UNGUARDED_TRTLLM_PARAMETERS if p not in params] == []
+    # Empty strings are "unset" to getGuidedDecodingConfigFromParams: guided decoding stays off.
+    assert {params[p].string_value for p in UNGUARDED_TRTLLM_PARAMETERS[2:]} == {""}
+
+
 def test_client_facing_io_is_identical_in_both_flavors(engine_dir, tokenizer_dir):
     trt = {n: c for n, (_, c) in render_configs(trtllm_values(engine_dir, tokenizer_dir), flavor="trtllm").items()}
     from tests.unit.build.test_repository import VALUES
