@@ -64,6 +64,13 @@ class TrtllmBuildOptions:
             raise TrtllmBuildError(
                 f"--kv-cache-quant {self.kv_cache_quant}: choose one of {', '.join(KV_CACHE_QUANT_ALGOS)}"
             )
+        if self.kv_cache_quant != "none" and not self.takes_modelopt:
+            calibrated = ", ".join(q for q, (_, calibrates) in QUANT_ALGOS.items() if calibrates)
+            raise TrtllmBuildError(
+                f"--quant {self.quant} with --kv-cache-quant {self.kv_cache_quant} is not supported: TensorRT-LLM "
+                f"quantizes a KV cache through ModelOpt only with --quant {calibrated} (FP8 or INT8 KV cache), or "
+                "with --quant none and --kv-cache-quant fp8. Use one of those, or --kv-cache-quant none."
+            )
         if self.tp_size < 1 or self.pp_size < 1:
             raise TrtllmBuildError(f"--tp {self.tp_size} --pp {self.pp_size}: both must be at least 1")
         if not 1 <= self.max_input_len < self.max_seq_len:
@@ -74,6 +81,12 @@ class TrtllmBuildOptions:
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
+
+    @property
+    def takes_modelopt(self) -> bool:
+        """Mirrors QuantConfig._requires_modelopt_quantization (models/modeling_utils.py, 1.2.1): any other
+        calibrated combination falls to a model class's legacy `quantize`, which asserts or raises ValueError."""
+        return QUANT_ALGOS[self.quant][1] or (self.quant == "none" and self.kv_cache_quant == "fp8")
 
     @property
     def needs_calibration(self) -> bool:
@@ -169,7 +182,8 @@ def build_engine(options: TrtllmBuildOptions, hf_dir: Path, engine_dir: Path, wo
 
     checkpoint = work_dir / "checkpoint"
     if options.needs_calibration:
-        # ModelOpt calibration writes a quantized TensorRT-LLM checkpoint for every rank at once.
+        # check() let through only combinations that take ModelOpt: its calibration writes a quantized
+        # TensorRT-LLM checkpoint for every rank at once.
         cls.quantize(
             str(hf_dir),
             str(checkpoint),

@@ -229,6 +229,18 @@ def test_tokenizer_folder_must_exist(engine_dir, tmp_path):
 # ---------------------------------------------------------------- the build: calls into tensorrt_llm
 
 
+# QuantConfig._requires_modelopt_quantization (tensorrt_llm/models/modeling_utils.py, 1.2.1): the quant_algo values
+# that PretrainedModel.quantize hands to ModelOpt; with no quant_algo, only an FP8 KV cache goes there.
+MODELOPT_QUANT_ALGOS = frozenset(
+    f"QuantAlgo.{n}" for n in ("NVFP4", "FP8", "W4A16_AWQ", "W4A8_AWQ", "W8A8_SQ_PER_CHANNEL", "MIXED_PRECISION")
+)
+
+
+def requires_modelopt_quantization(quant_config) -> bool:
+    algo, kv_algo = quant_config.kwargs["quant_algo"], quant_config.kwargs["kv_cache_quant_algo"]
+    return algo in MODELOPT_QUANT_ALGOS or (algo is None and kv_algo == "QuantAlgo.FP8")
+
+
 class Recorder:
     """Stands in for tensorrt_llm's API and records every call made to it."""
 
@@ -273,6 +285,9 @@ class Recorder:
 
             @classmethod
             def quantize(cls, hf_dir, out_dir, **kwargs):
+                # As strict as PretrainedModel.quantize: anything ModelOpt does not take is refused.
+                if not requires_modelopt_quantization(kwargs["quant_config"]):
+                    raise ValueError(f"The quant_config ({kwargs['quant_config'].kwargs}) should not call modelopt")
                 recorder.calls.append(("quantize", hf_dir, out_dir, kwargs))
 
             @classmethod
@@ -339,7 +354,7 @@ def test_tensor_and_pipeline_parallel_build_every_rank(tmp_path, tokenizer_dir):
     mappings = [c[2] for c in rec.named("from_hugging_face")]
     assert mappings == [{"world_size": 4, "rank": r, "tp_size": 2, "pp_size": 2} for r in range(4)]
     assert len(rec.named("build")) == 4 and len(rec.named("save")) == 4
-    assert len(rec.named("BuildConfig")) == 4, "build() mutates its inputs: a fresh config per rank"
+    assert len(rec.named("BuildConfig")) == 4, "one BuildConfig per rank, as upstream's build() deep-copies it"
 
 
 @pytest.mark.parametrize(("quant", "algo"), [("int8_wo", "QuantAlgo.W8A16"), ("int4_wo", "QuantAlgo.W4A16")])
@@ -357,7 +372,8 @@ def test_weight_only_quantization_happens_in_conversion(tmp_path, tokenizer_dir,
         ({"quant": "int4_awq", "group_size": 64}, "QuantAlgo.W4A16_AWQ", None),
         ({"quant": "int8_sq"}, "QuantAlgo.W8A8_SQ_PER_CHANNEL", None),
         ({"quant": "none", "kv_cache_quant": "fp8"}, None, "QuantAlgo.FP8"),
-        ({"quant": "int4_wo", "kv_cache_quant": "int8"}, "QuantAlgo.W4A16", "QuantAlgo.INT8"),
+        ({"quant": "int4_awq", "kv_cache_quant": "int8"}, "QuantAlgo.W4A16_AWQ", "QuantAlgo.INT8"),
+        ({"quant": "fp8", "kv_cache_quant": "fp8"}, "QuantAlgo.FP8", "QuantAlgo.FP8"),
     ],
 )
 def test_calibrated_quantization_writes_a_checkpoint_first(tmp_path, tokenizer_dir, options, algo, kv_algo):
@@ -378,6 +394,12 @@ def test_calibrated_quantization_writes_a_checkpoint_first(tmp_path, tokenizer_d
         ({"quant": "int3"}, "--quant int3"),
         ({"tp_size": 0}, "at least 1"),
         ({"max_input_len": 4096, "max_seq_len": 4096}, "below --max-seq-len"),
+        # Weight-only or no quantization with a quantized KV cache leaves ModelOpt's path in TensorRT-LLM, and fails.
+        ({"quant": "int8_wo", "kv_cache_quant": "fp8"}, "--quant int8_wo with --kv-cache-quant fp8"),
+        ({"quant": "int4_wo", "kv_cache_quant": "fp8"}, "--quant int4_wo with --kv-cache-quant fp8"),
+        ({"quant": "int8_wo", "kv_cache_quant": "int8"}, "--quant int8_wo with --kv-cache-quant int8"),
+        ({"quant": "int4_wo", "kv_cache_quant": "int8"}, "--quant int4_wo with --kv-cache-quant int8"),
+        ({"quant": "none", "kv_cache_quant": "int8"}, "--quant none with --kv-cache-quant int8"),
     ],
 )
 def test_bad_build_options(tmp_path, tokenizer_dir, options, message):
