@@ -125,11 +125,23 @@ class EngineModel:
                 sender.send(error_response(exc), flags=FINAL)
                 continue
             self._live[id(call)] = call
-            for row, generation in enumerate(rows):
-                call.engine_ids.append(
-                    self.engine.submit(generation, lambda e, c=call, r=row: self._on_emission(c, r, e))
-                )
+            try:
+                for row, generation in enumerate(rows):
+                    call.engine_ids.append(
+                        self.engine.submit(generation, lambda e, c=call, r=row: self._on_emission(c, r, e))
+                    )
+            except Exception as exc:  # this request fails alone; the rest of the batch still goes in
+                self._refused(call, exc)
         return None
+
+    def _refused(self, call: _Call, exc: Exception) -> None:
+        """A row the engine did not take: the rows it took are cancelled, and the request ends once, with `exc`.
+
+        Nothing was sent for the call before: a stream has one row, and a batch is answered when all rows end.
+        """
+        self._close(call)
+        self._finished.put(("error", "invalid_input" if isinstance(exc, ValueError) else "generation_failed"))
+        call.sender.send(error_response(exc), flags=FINAL)
 
     def _admit(self, rows: int) -> None:
         in_flight = self.engine.running()

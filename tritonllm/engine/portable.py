@@ -40,6 +40,7 @@ from tritonllm.engine.norms import fuse_rms_norms
 from tritonllm.engine.projections import merge_projections
 from tritonllm.engine.sampling import ends_with, key_graphs_by_processors, request_processors
 from tritonllm.engine.step_graphs import graph_steps_up_to
+from tritonllm.errors import EngineFailure
 from tritonllm.protocol import MAX_WORD_SEQUENCES
 
 log = logging.getLogger(__name__)
@@ -149,19 +150,27 @@ class PortableEngine(BlockingGenerate):
         kwargs = request.sampling.as_kwargs()
         if request.bad_words:
             kwargs["bad_words"] = request.bad_words
+        # Registered before the manager has it: the router may meet its first output before add_request returns.
         with self._lock:
             self._active[request_id] = active
         # The manager reports every token when we must look at each one (stop words, streaming).
         per_token = request.streaming or bool(request.stop_words)
-        self._manager.add_request(
-            input_ids=request.input_ids,
-            request_id=request_id,
-            max_new_tokens=request.max_new_tokens,
-            streaming=per_token,
-            record_timestamps=True,
-            eos_token_id=request.end_id,
-            **kwargs,
-        )
+        try:
+            queued = self._manager.add_request(
+                input_ids=request.input_ids,
+                request_id=request_id,
+                max_new_tokens=request.max_new_tokens,
+                streaming=per_token,
+                record_timestamps=True,
+                eos_token_id=request.end_id,
+                **kwargs,
+            )
+            if queued is None:  # transformers drops, with a warning only, what arrives while its loop stops
+                raise EngineFailure("the engine's generation loop is stopping: the request was not queued")
+        except Exception:
+            with self._lock:
+                self._active.pop(request_id, None)  # not taken: it must not hold an admission slot
+            raise
         return request_id
 
     def cancel(self, request_id: str) -> None:

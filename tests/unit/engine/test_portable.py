@@ -1,6 +1,7 @@
 """The portable engine in-process: greedy equals `generate`, seeded sampling, stop/bad words, streaming, cancel."""
 
 import os
+import queue
 import threading
 import time
 
@@ -17,6 +18,7 @@ from tritonllm.engine.api import (
     SamplingParams,
 )
 from tritonllm.engine.portable import PortableEngine
+from tritonllm.errors import EngineFailure
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +136,26 @@ def test_cancel_frees_the_slot(engine, tokenizer):
     assert finals and finals[0].finish_reason == FINISH_CANCELLED
     assert engine.running() == 0
     tokens, _ = engine.generate(GenerationRequest(ids, 4, end_id=-1), timeout=60)
+    assert len(tokens) == 4
+
+
+@pytest.mark.parametrize(("refusal", "error"), [("raises", queue.Full), ("drops", EngineFailure)])
+def test_a_request_the_manager_does_not_take_leaves_no_trace(engine, tokenizer, monkeypatch, refusal, error):
+    """transformers' add_request raises (its queue full) or returns None (its loop stopping): no slot stays taken."""
+
+    def add_request(**kwargs):
+        if refusal == "raises":
+            raise queue.Full
+        return None
+
+    monkeypatch.setattr(engine._manager, "add_request", add_request)
+    emissions = []
+    with pytest.raises(error):
+        engine.submit(GenerationRequest(chat_ids(tokenizer, "Hi"), 4, end_id=-1), emissions.append)
+    assert engine.running() == 0 and engine._active == {}
+    assert emissions == []
+    monkeypatch.undo()
+    tokens, _ = engine.generate(GenerationRequest(chat_ids(tokenizer, "Hi"), 4, end_id=-1), timeout=60)
     assert len(tokens) == 4
 
 
