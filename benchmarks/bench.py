@@ -55,8 +55,8 @@ def in_process_tokens_per_s(
     config = GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(
         page_size=128,
-        num_blocks=max(1, manifest["kv_cache_tokens"] // 128),
-        max_batch_tokens=manifest["max_batch_tokens"],
+        num_blocks=max(1, manifest["engine_config"]["kv_cache_tokens"] // 128),
+        max_batch_tokens=manifest["engine_config"]["max_batch_tokens"],
         max_requests_per_batch=manifest["max_batch_size"],
         auto_switch_to_flash=False,
     )

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tritonllm {command}: needs the source checkout ({module_name} is not installed)", file=sys.stderr)
             return 2
         raise
+    sys.argv[0] = f"tritonllm {command}"  # argparse's usage line names the command
     if command == "probe":
         rest = ["probe", *rest]
     if command == "preflight":

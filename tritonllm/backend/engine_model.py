@@ -11,9 +11,12 @@ request, or a cancelled client) ends the same way, with the tokens generated unt
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import queue
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
@@ -22,7 +25,6 @@ from tritonllm.backend.metrics import EngineMetrics
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.triton_glue import (
     FINAL,
-    ServerBusy,
     error_response,
     flag,
     input_arrays,
@@ -32,9 +34,9 @@ from tritonllm.backend.triton_glue import (
     parameters,
     to_tensors,
 )
-from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest
+from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, EngineConfig, GenerationRequest
 from tritonllm.engine.process import EngineProcess
-from tritonllm.errors import InputError
+from tritonllm.errors import InputError, ServerBusy
 from tritonllm.text.tokenization import Limits, scalar
 
 CANCEL_CHECK_SECONDS = 0.2  # and the period of the load gauges
@@ -68,30 +70,16 @@ class EngineModel:
         self.exclude_input = flag(params.get("exclude_input_in_output", "true"))
         # Requests beyond the running batch wait in the engine's queue, up to this bound; more are refused.
         self.capacity = int(config["max_batch_size"]) + int(params["max_queue_size"])
+        folder = Path(args["model_repository"]) / args["model_version"]
+        engine_config = EngineConfig(**json.loads((folder / ENGINE_CONFIG_FILE).read_text()))
+        if device != "cpu":
+            engine_config = dataclasses.replace(engine_config, device=device)  # the GPU of this instance
         # The engine in a child process (tritonllm/engine/process.py), which alone then loads torch, or in this one.
-        if flag(params.get("engine_process", "false")):
+        if engine_config.engine_process:
             engine = EngineProcess
         else:
             from tritonllm.engine.portable import PortableEngine as engine
-        self.engine = engine(
-            EngineConfig(
-                model_dir=params["model_dir"],
-                device=device,
-                dtype=params["dtype"],
-                max_batch_size=int(config["max_batch_size"]),
-                max_seq_len=self.limits.max_seq_len,
-                kv_cache_tokens=int(params["kv_cache_tokens"]),
-                max_batch_tokens=int(params["max_batch_tokens"]),
-                cuda_graphs=device != "cpu" and flag(params.get("cuda_graphs", "false")),
-                cudnn_attention=flag(params.get("cudnn_attention", "false")),
-                compile=device != "cpu" and flag(params.get("compile", "false")),
-                async_batching=device != "cpu" and flag(params.get("async_batching", "false")),
-                fused_norms=flag(params.get("fused_norms", str(EngineConfig.fused_norms))),
-                fused_projections=flag(params.get("fused_projections", str(EngineConfig.fused_projections))),
-                cpu_niceness=int(params.get("cpu_niceness", EngineConfig.cpu_niceness)),
-                attention=params.get("attention", "sdpa"),
-            )
-        )
+        self.engine = engine(engine_config)
         started = time.perf_counter()
         # The batching manager's first step is slow (allocation, kernel selection): pay it now.
         self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)

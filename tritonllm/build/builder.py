@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tritonllm.build.model_source import ModelSourceError, resolve_model
 from tritonllm.build.repository import RepositoryError, write_repository
-from tritonllm.engine.cpu_threads import YIELDING_NICENESS
+from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
 from tritonllm.errors import ConfigError
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -39,7 +41,8 @@ class BuildPlan:
     vocab_size: int
     max_queue_size: int = 0  # requests that may wait for a batch slot (0: as many as max_batch_size)
     engine_values: dict[str, str] = field(default_factory=dict)  # the flavor's own template values
-    details: dict = field(default_factory=dict)  # what else the manifest records
+    engine_config: EngineConfig | None = None  # the portable engine's, written beside it as engine.json
+    details: dict = field(default_factory=dict)  # what else the manifest records (the TensorRT-LLM engine's)
 
     @property
     def queue_size(self) -> int:
@@ -82,30 +85,7 @@ def kv_bytes_per_token(text_config, dtype: str) -> int:
 
 
 def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
-    import torch
     from transformers import AutoConfig
-
-    from tritonllm.engine.api import EngineConfig
-
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise BuildError("--device cuda: PyTorch sees no CUDA GPU here. Use --device cpu (or auto).")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    graphs = device == "cuda" and args.cuda_graphs is not False  # on by default on CUDA
-    # cuDNN's attention builds a cuDNN graph per new batch shape: paid once per captured CUDA graph, but
-    # on every step of a served batch without graphs, so by default it follows --cuda-graphs.
-    cudnn = device == "cuda" and (graphs if args.cudnn_attention is None else args.cudnn_attention)
-    # Opt-in: faster steps, but compiling takes one to two minutes at every server start.
-    compiled = device == "cuda" and args.compile
-    # The host prepares step N+1 while the GPU runs step N; measured with graphs (docs/PERFORMANCE.md).
-    asynchronous = device == "cuda" and (graphs if args.async_batching is None else args.async_batching)
-    attention = portable_attention(device, dtype, args.attention)
-    # On CUDA the generation loop's host work bounds a heavy load; on a small CPU host a process hop costs more.
-    engine_process = device == "cuda" if args.engine_process is None else args.engine_process
-    fused_norms = EngineConfig.fused_norms if args.fused_norms is None else args.fused_norms
-    fused_projections = EngineConfig.fused_projections if args.fused_projections is None else args.fused_projections
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
     model_max = getattr(text_config, "max_position_embeddings", None) or args.max_seq_len
@@ -119,7 +99,14 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     max_batch_size = args.max_batch_size or 16
     if max_batch_size < 1:
         raise BuildError(f"--max-batch-size must be at least 1, got {max_batch_size}")
-    budget = int(args.kv_cache_gib * 2**30) // kv_bytes_per_token(text_config, dtype)
+    options = {f.name: getattr(args, f.name) for f in engine_options()}
+    try:
+        config = EngineConfig(
+            str(model_dir), dtype=args.dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len, **options
+        ).resolve()
+    except ConfigError as exc:
+        raise BuildError(str(exc)) from None
+    budget = int(args.kv_cache_gib * 2**30) // kv_bytes_per_token(text_config, config.dtype)
     kv_cache_tokens = min(budget, max_batch_size * max_seq_len)
     if kv_cache_tokens < max_seq_len:
         raise BuildError(
@@ -129,56 +116,15 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     return BuildPlan(
         engine="portable",
         model_dir=str(model_dir),
-        dtype=dtype,
+        dtype=config.dtype,
         max_batch_size=max_batch_size,
         max_input_len=max_input_len,
         max_seq_len=max_seq_len,
         vocab_size=text_config.vocab_size,
         max_queue_size=args.max_queue_size,
-        engine_values={
-            "model_dir": str(model_dir),
-            "dtype": dtype,
-            "kv_cache_tokens": str(kv_cache_tokens),
-            "max_batch_tokens": str(args.max_batch_tokens),
-            "cuda_graphs": str(graphs).lower(),
-            "cudnn_attention": str(cudnn).lower(),
-            "compile": str(compiled).lower(),
-            "async_batching": str(asynchronous).lower(),
-            "fused_norms": str(fused_norms).lower(),
-            "fused_projections": str(fused_projections).lower(),
-            "cpu_niceness": str(args.cpu_niceness),
-            "engine_process": str(engine_process).lower(),
-            "attention": attention,
-            "engine_instance_kind": "KIND_GPU" if device == "cuda" else "KIND_CPU",
-        },
-        details={
-            "device": device,
-            "kv_cache_tokens": kv_cache_tokens,
-            "max_batch_tokens": args.max_batch_tokens,
-            "cuda_graphs": graphs,
-            "cudnn_attention": cudnn,
-            "compile": compiled,
-            "async_batching": asynchronous,
-            "fused_norms": fused_norms,
-            "fused_projections": fused_projections,
-            "cpu_niceness": args.cpu_niceness,
-            "engine_process": engine_process,
-            "attention": attention,
-        },
+        engine_values={"engine_instance_kind": "KIND_GPU" if config.device == "cuda" else "KIND_CPU"},
+        engine_config=dataclasses.replace(config, kv_cache_tokens=kv_cache_tokens),
     )
-
-
-def portable_attention(device: str, dtype: str, asked: str) -> str:
-    """The engine's attention: varlen (per-request FlashAttention) on CUDA in 16-bit types where torch has it,
-    else SDPA."""
-    from tritonllm.engine.attention import VARLEN, unavailable_reason
-
-    reason = unavailable_reason(device, dtype)
-    if asked == "auto":
-        return "sdpa" if reason else VARLEN
-    if asked == VARLEN and reason:
-        raise BuildError(f"--attention {VARLEN}: {reason}")
-    return asked
 
 
 def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> BuildPlan:
@@ -286,26 +232,62 @@ def versions() -> dict[str, str]:
     return found
 
 
-def niceness(text: str) -> int:
-    """argparse type of --cpu-niceness: what Linux can add to a nice value of 0."""
-    value = int(text)
-    if not 0 <= value <= 19:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 19, got {value}")
-    return value
+def engine_options() -> list[dataclasses.Field]:
+    """EngineConfig's fields that are build options (made with engine.api.option)."""
+    return [f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata]
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def add_option(group, option: dataclasses.Field) -> None:
+    """The flag of one EngineConfig option, from its definition: type, default, choices, limits and help."""
+    kind = typing.get_type_hints(EngineConfig)[option.name]
+    meta = option.metadata
+    flag = "--" + option.name.replace("_", "-")
+    help_text = meta["help"] + (" (CUDA only)" if meta["cuda_only"] else "")
+    if kind in (bool, bool | None):
+        if option.default is not None:
+            help_text += f" (default: {'on' if option.default else 'off'})"
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=option.default, help=help_text)
+        return
+    scalar = int if kind is int else float if kind is float else str
+
+    def parse(text: str):
+        value = scalar(text)
+        low, high = meta["limits"] or (None, None)
+        if (low is not None and value < low) or (high is not None and value > high):
+            bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    group.add_argument(
+        flag,
+        type=parse,
+        default=option.default,
+        choices=meta["choices"] or None,
+        help=help_text + " (default: %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
     from tritonllm.trtllm.engine_build import KV_CACHE_QUANT_ALGOS, QUANT_ALGOS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=["portable", "trtllm"], default="portable")
+    parser.add_argument(
+        "--engine", choices=["portable", "trtllm"], default="portable", help="the engine flavor behind the ensemble"
+    )
     parser.add_argument(
         "--model",
         default="",
         help="Hugging Face folder or hub id, or a .gguf file (default: the packaged SmolLM2-135M-Instruct)",
     )
-    parser.add_argument("--build-dir", type=Path, default=Path("build"))
-    parser.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto")
+    parser.add_argument(
+        "--build-dir", type=Path, default=Path("build"), help="where the repository, models and manifest go"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPE_BYTES],
+        default="auto",
+        help="weights and activations; auto: bfloat16 on GPUs, float32 on the CPU",
+    )
     parser.add_argument(
         "--max-batch-size",
         type=int,
@@ -323,74 +305,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--max-input-len", type=int, default=0, help="prompt tokens (default: portable 3/4, trtllm 1/2 of max-seq-len)"
     )
     portable = parser.add_argument_group("portable engine")
-    portable.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    portable.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (prefill chunk)")
-    portable.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        help="on CUDA (the default there), capture engine steps in CUDA graphs: ~3x faster single streams and "
-        "faster streams once captured; a new batch shape pays its capture when first met (docs/PERFORMANCE.md)",
-    )
-    portable.add_argument(
-        "--cudnn-attention",
-        action=argparse.BooleanOptionalAction,
-        help="on CUDA, let torch use cuDNN's attention kernel (default: with --cuda-graphs): faster kernels, "
-        "but a cuDNN graph is built for each new batch shape, which served batches keep meeting unless "
-        "steps are captured in CUDA graphs (docs/PERFORMANCE.md)",
-    )
-    portable.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="on CUDA, compile the engine step with torch.compile: fused kernels (H200, 7B, with async batching: "
-        "a single stream 145-151 against 113-114 tokens/s; 256 streams -5 to +14 %%), but the server takes one to "
-        "two minutes longer to start (docs/PERFORMANCE.md)",
-    )
-    portable.add_argument(
-        "--async-batching",
-        action=argparse.BooleanOptionalAction,
-        help="on CUDA, prepare each engine step on the host while the GPU runs the previous one (transformers' "
-        "asynchronous batching; default: with --cuda-graphs). H200, 7B: served 256 streams 5,796 against 4,294 "
-        "tokens/s, a single stream 114 against 106 (docs/PERFORMANCE.md)",
-    )
-    portable.add_argument(
-        "--fused-norms",
-        action=argparse.BooleanOptionalAction,
-        help="(default: on) run the model's RMSNorm layers as torch's one-kernel rms_norm where they compute the same "
-        "(checked at load): H200, 7B: a single stream 133 against 115 tokens/s (docs/PERFORMANCE.md)",
-    )
-    portable.add_argument(
-        "--fused-projections",
-        action=argparse.BooleanOptionalAction,
-        help="(default: on) run each layer's q/k/v projections as one matrix product and its MLP's gate/up ones as "
-        "another: H200, 7B: a single stream 144 against 133 tokens/s; CPU +11 %% (docs/PERFORMANCE.md)",
-    )
-    portable.add_argument(
-        "--cpu-niceness",
-        type=niceness,
-        default=YIELDING_NICENESS,
-        help="on the CPU, the nice value added to the engine's generation thread and its OpenMP workers, so that "
-        "the stream's other steps take a core when they wake (2 cores: first streamed text 1-2 ms sooner); 0 keeps "
-        "them at the server's priority, for a host shared with other busy processes (default: %(default)s)",
-    )
-    portable.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        help="run the engine in a process of its own, beside the engine model's (default: on CUDA), so that "
-        "sending a response per token per stream does not take the generation loop's interpreter lock "
-        "(docs/PERFORMANCE.md)",
-    )
-    portable.add_argument(
-        "--attention",
-        choices=["auto", "sdpa", "varlen"],
-        default="auto",
-        help="attention kernel: varlen (CUDA: torch's FlashAttention over each request's own tokens) or sdpa "
-        "(a mask across the whole batch); auto: varlen where it runs (docs/PERFORMANCE.md)",
-    )
+    for option in engine_options():
+        add_option(portable, option)
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
     trt = parser.add_argument_group("TensorRT-LLM engine")
     trt.add_argument("--quant", choices=list(QUANT_ALGOS), default="none", help="weight (and activation) quantization")
-    trt.add_argument("--kv-cache-quant", choices=list(KV_CACHE_QUANT_ALGOS), default="none")
+    trt.add_argument(
+        "--kv-cache-quant", choices=list(KV_CACHE_QUANT_ALGOS), default="none", help="KV cache quantization"
+    )
     trt.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per pipeline stage)")
     trt.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     trt.add_argument("--max-num-tokens", type=int, default=8192, help="tokens per engine step")
@@ -405,7 +327,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     trt.add_argument("--engine-dir", type=Path, help="serve this existing engine folder instead of building one")
     trt.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)  # the in-image half of a build
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,7 +349,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.engine_only:
                 return 0
             plan = plan_trtllm(model_dir, engine_dir, args)
-        models = write_repository(plan.template_values(), build_dir / "model_repository", flavor=plan.engine)
+        files = {}
+        if plan.engine_config is not None:
+            files[f"tensorrt_llm/1/{ENGINE_CONFIG_FILE}"] = json.dumps(asdict(plan.engine_config), indent=2) + "\n"
+        models = write_repository(
+            plan.template_values(), build_dir / "model_repository", flavor=plan.engine, files=files
+        )
     except (ModelSourceError, RepositoryError, BuildError, ValueError) as exc:
         print(f"build_engines.py: {exc}", file=sys.stderr)
         return 2

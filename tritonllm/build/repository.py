@@ -127,9 +127,14 @@ def check_ensembles(configs: dict[str, mc.ModelConfig]) -> None:
 
 
 def write_repository(
-    values: dict[str, str], out_dir: Path, templates: Path = TEMPLATES, flavor: str = "portable"
+    values: dict[str, str],
+    out_dir: Path,
+    templates: Path = TEMPLATES,
+    flavor: str = "portable",
+    files: dict[str, str] | None = None,
 ) -> list[str]:
-    """Render, check, then replace `out_dir` in one step. Returns the model names."""
+    """Render, check, then replace `out_dir` in one step, with `files` (path in the repository -> text) added.
+    Returns the model names."""
     rendered = render_configs(values, templates, flavor)
     folders = model_folders(templates, flavor)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -142,6 +147,8 @@ def write_repository(
             )
             (target / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an ensemble's
             (target / "config.pbtxt").write_text(text)
+        for path, text in (files or {}).items():
+            (staging / path).write_text(text)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
+from tritonllm.errors import ConfigError
 from tritonllm.protocol import (
     FINISH_CANCELLED,
     FINISH_EOS,
@@ -22,6 +23,8 @@ from tritonllm.protocol import (
 )
 
 __all__ = ["FINISH_CANCELLED", "FINISH_EOS", "FINISH_ERROR", "FINISH_LENGTH", "FINISH_STOP"]  # engine vocabulary
+
+AUTO_DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -86,63 +89,111 @@ class Emission:
         return dataclasses.replace(later, token_ids=earlier.token_ids + later.token_ids)
 
 
+ENGINE_CONFIG_FILE = "engine.json"  # beside the engine model: tensorrt_llm/1/engine.json, as the build writes it
+
+
+def option(default, help: str, *, cuda_only: bool = False, choices: tuple = (), limits: tuple | None = None):
+    """An EngineConfig field that is also a build option (`--name-with-dashes`): its one definition.
+
+    `help` is the flag's help and the line in docs/options.md; `cuda_only` fields are off on the CPU whatever
+    was asked; a None default is resolved by the build from the device (the help says how); `choices` and
+    `limits` (inclusive) are checked by the flag's parser.
+    """
+    metadata = {"help": help, "cuda_only": cuda_only, "choices": choices, "limits": limits}
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    """The portable engine's configuration. The build resolves it and writes it as engine.json; the engine model
+    loads it with `EngineConfig(**json)`. Fields made with `option` are build options too."""
+
     model_dir: str
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = option("auto", "where the engine runs; auto: cuda when PyTorch sees a GPU", choices=AUTO_DEVICES)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     max_batch_size: int = 16
     max_seq_len: int = 4096
     kv_cache_tokens: int = 16384  # KV cache capacity, in tokens, across all requests
-    max_batch_tokens: int = 512  # tokens per forward step; longer prompts are prefilled in chunks
-    page_size: int = 128
-    # Capture each step (forward, sampling, bad words) in CUDA graphs: batch-1 decode is bound by
-    # kernel launches without them. CUDA devices only.
-    cuda_graphs: bool = False
-    # Graph shapes: steps are padded to multiples of these many query / KV tokens (the KV count is the step's
-    # cached tokens across its requests), and each new shape is captured once. transformers' defaults
-    # (64 / 16384) made batch-1 decode of a 7B model on an H200 compute 64 query and 16k KV tokens a step
-    # under SDPA: 22 tokens/s; with 16 / 256, 89. Under varlen attention padded KV tokens are only copied,
-    # not attended, and 256 requests add 256 KV tokens a step: 256 met a new shape, and paid a capture,
-    # almost every step; 4096 captured 61 graphs where 256 captured 168, for 256 requests arriving over
-    # 2 s: 3,788 against 3,433 tokens/s, batch 1 100 against 102 (docs/PERFORMANCE.md, run CC).
-    graph_q_padding: int = 16
-    graph_kv_padding: int = 4096
-    # Steps of more query tokens than this run without a graph (engine/step_graphs.py); None: max_batch_size, so
-    # every decode step replays one and only prefill-heavy steps run eagerly. On an H200, 7B, 256 requests: in-process
-    # 7,639 -> 7,832 tokens/s, arriving over 2 s 5,343 -> 5,751, served streams 6,688 -> 7,423 with no capture in a
-    # second load (docs/PERFORMANCE.md, run MMM).
-    graph_max_q_tokens: int | None = None
-    # "sdpa", or "varlen" (CUDA): torch's FlashAttention over each request's own tokens (tritonllm/engine/attention.py)
-    attention: str = "sdpa"
-    # Let torch's SDPA pick cuDNN's attention kernel (CUDA). It builds a cuDNN graph for every new batch
-    # shape, and served batches are rarely the same twice: on an H200, 256 requests arriving over 2 s ran
-    # at 1,393 tokens/s with it and 1,733 without, batch 1 at 19.6 and 31.6 (docs/PERFORMANCE.md). Under
-    # CUDA graphs it is built once per captured graph.
-    cudnn_attention: bool = False
-    # Compile the step's forward (not the per-request sampling and bad words) with torch.compile: fewer, fused
-    # kernels. On an H200 with CUDA graphs and async batching: batch-1 device time per step 8.2 -> 6.6 ms, served
-    # single stream 113 -> 137-151 tokens/s, 256 streams -5 to +14 %, and 1-2.5 minutes more at start
-    # (docs/PERFORMANCE.md).
-    compile: bool = False
-    # transformers' asynchronous batching: the host prepares step N+1 while the device runs step N. On an H200
-    # at batch 1 it took the device's idle time between steps from ~3 ms to 0.1 ms per token; served, with
-    # graphs: 256 streams 5,796 against 4,294 tokens/s (docs/PERFORMANCE.md runs AA, DD, EE).
-    async_batching: bool = False
-    # Run each RMSNorm layer as torch's one-kernel rms_norm instead of transformers' ~8 elementwise kernels
-    # (tritonllm/engine/norms.py). On an H200, 7B with CUDA graphs and async batching: batch 1 114.7 -> 133.1
-    # tokens/s, 256 requests +6 to +11 % (docs/PERFORMANCE.md, run DDD); on the CPU the same logits, and a
-    # single stream +8 %.
-    fused_norms: bool = True
-    # Run each layer's q/k/v projections as one matrix product and its MLP's gate/up ones as another
-    # (tritonllm/engine/projections.py). On an H200, 7B with CUDA graphs and async batching: batch 1 133.4 -> 144.0
-    # tokens/s, 256 requests unchanged (docs/PERFORMANCE.md, run FFF); on the CPU the same logits, and a single
-    # stream +11 %.
-    fused_projections: bool = True
-    # On the CPU, the nice value added to the generation thread and its OpenMP team (engine/cpu_threads.py): the
-    # stream's other steps then take a core when they wake; 2 cores: the first streamed text 1-2 ms sooner (run in
-    # docs/PERFORMANCE.md, thirteenth session). 0 keeps the caller's priority (a host with other busy processes).
-    cpu_niceness: int = YIELDING_NICENESS
+    max_batch_tokens: int = option(
+        512, "tokens per engine step; longer prompts are prefilled in chunks", limits=(1, None)
+    )
+    cuda_graphs: bool | None = option(
+        None,
+        "capture engine steps in CUDA graphs (default: on); a new batch shape pays its capture when first met",
+        cuda_only=True,
+    )
+    cudnn_attention: bool | None = option(
+        None,
+        "let torch use cuDNN's attention kernel (default: with --cuda-graphs); cuDNN builds a graph for each new "
+        "batch shape, which served batches keep meeting unless steps are captured in CUDA graphs",
+        cuda_only=True,
+    )
+    compile: bool = option(
+        False,
+        "compile the engine step's forward with torch.compile: fused kernels, but one to two minutes more at start",
+        cuda_only=True,
+    )
+    async_batching: bool | None = option(
+        None,
+        "prepare each engine step on the host while the GPU runs the previous one (transformers' asynchronous "
+        "batching; default: with --cuda-graphs)",
+        cuda_only=True,
+    )
+    fused_norms: bool = option(
+        True, "run the model's RMSNorm layers as torch's one-kernel rms_norm where they compute the same (checked)"
+    )
+    fused_projections: bool = option(
+        True, "run each layer's q/k/v projections as one matrix product, and its MLP's gate/up ones as another"
+    )
+    cpu_niceness: int = option(
+        YIELDING_NICENESS,
+        "on the CPU, the nice value added to the generation thread and its OpenMP workers, so that the stream's "
+        "other steps take a core when they wake; 0 keeps the server's priority (a host shared with busy processes)",
+        limits=(0, 19),
+    )
+    engine_process: bool | None = option(
+        None,
+        "run the engine in a process of its own beside the engine model's (default: on CUDA), so that sending a "
+        "response per token per stream does not take the generation loop's interpreter lock",
+    )
+    attention: str = option(
+        "auto",
+        "attention kernel: varlen (CUDA, 16-bit types: FlashAttention over each request's own tokens) or sdpa "
+        "(a mask across the whole batch); auto: varlen where it runs",
+        choices=("auto", "sdpa", "varlen"),
+    )
+
+    def resolve(self) -> EngineConfig:
+        """This configuration with every "auto" and None decided for the device it will run on, and the CUDA-only
+        options off elsewhere. Raises ConfigError, naming the build option, for what cannot run there."""
+        import torch
+
+        from tritonllm.engine.attention import VARLEN, unavailable_reason
+
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: PyTorch sees no CUDA GPU here. Use --device cpu (or auto).")
+        cuda = device.startswith("cuda")
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if cuda else "float32")
+        graphs = cuda if self.cuda_graphs is None else self.cuda_graphs
+        decided = {
+            "device": device,
+            "dtype": dtype,
+            "cuda_graphs": graphs,
+            "cudnn_attention": graphs if self.cudnn_attention is None else self.cudnn_attention,
+            "async_batching": graphs if self.async_batching is None else self.async_batching,
+            "engine_process": cuda if self.engine_process is None else self.engine_process,
+        }
+        if not cuda:
+            decided.update({f.name: False for f in dataclasses.fields(self) if f.metadata.get("cuda_only")})
+        reason = unavailable_reason(device, dtype)
+        if self.attention == "auto":
+            decided["attention"] = "sdpa" if reason else VARLEN
+        elif self.attention == VARLEN and reason:
+            raise ConfigError(f"--attention {VARLEN}: {reason}")
+        return dataclasses.replace(self, **decided)
 
 
 class BlockingGenerate:

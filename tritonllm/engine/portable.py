@@ -45,6 +45,14 @@ from tritonllm.protocol import MAX_WORD_SEQUENCES
 
 log = logging.getLogger(__name__)
 
+PAGE_SIZE = 128  # KV cache tokens per block
+# CUDA graph shapes: steps are padded to multiples of these many query / KV tokens (the KV count is the step's
+# cached tokens across its requests), and each new shape is captured once. transformers' defaults (64 / 16384)
+# made batch-1 decode compute 64 query and 16k KV tokens a step under SDPA; under varlen attention padded KV
+# tokens are only copied, and a coarse KV step keeps a growing batch from meeting a new shape every step.
+GRAPH_Q_PADDING = 16
+GRAPH_KV_PADDING = 4096
+
 
 @dataclass
 class _Active:
@@ -61,12 +69,10 @@ class PortableEngine(BlockingGenerate):
     """One model, one batching manager, one thread that routes the manager's outputs to requests."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        config = self.config = config.resolve()
         varlen = config.attention == attention.VARLEN
         if varlen and (reason := attention.unavailable_reason(config.device, config.dtype)):
             raise ValueError(f"attention {attention.VARLEN!r}: {reason}")
-        if config.async_batching and not config.device.startswith("cuda"):
-            raise ValueError("async_batching runs on CUDA devices only (transformers' double-buffered steps)")
         if config.device.startswith("cuda"):
             # A process-wide setting: the engine owns its process (one per Triton model instance).
             torch.backends.cuda.enable_cudnn_sdp(config.cudnn_attention)
@@ -97,13 +103,13 @@ class PortableEngine(BlockingGenerate):
         self._manager = self.model.init_continuous_batching(
             generation_config=generation_config,
             continuous_batching_config=batching_config(
-                page_size=config.page_size,
-                num_blocks=max(1, config.kv_cache_tokens // config.page_size),
+                page_size=PAGE_SIZE,
+                num_blocks=max(1, config.kv_cache_tokens // PAGE_SIZE),
                 max_batch_tokens=config.max_batch_tokens,
                 max_requests_per_batch=config.max_batch_size,
                 use_cuda_graph=config.cuda_graphs,
-                q_padding_interval_size=config.graph_q_padding,
-                kv_padding_interval_size=config.graph_kv_padding,
+                q_padding_interval_size=GRAPH_Q_PADDING,
+                kv_padding_interval_size=GRAPH_KV_PADDING,
                 # The processors prepare from what the host knows before the previous step's token (sampling.py).
                 use_async_batching=config.async_batching,
                 auto_switch_to_flash=False,
@@ -118,15 +124,16 @@ class PortableEngine(BlockingGenerate):
         self._graph_stores: list = []
         if config.cuda_graphs:
             # Capture the largest graphs now, which sizes their shared memory pool, rather than in the first
-            # requests' latency; smaller shapes are captured when first met. The largest step then runs without
-            # its graph (graph_steps_up_to): that capture is kept for the pool's size only.
+            # requests' latency; smaller shapes are captured when first met. Steps of more query tokens than the
+            # batch's request limit (prefill-heavy ones) then run eagerly (graph_steps_up_to): the largest
+            # capture is kept for the pool's size only.
             self._manager.warmup()
             processor = self._manager.batch_processor
             self._graph_stores = key_graphs_by_processors(processor.inputs_and_outputs, processors)
             graph_steps_up_to(
                 processor.model_runner,
                 processor.inputs_and_outputs,
-                config.graph_max_q_tokens or config.max_batch_size,
+                config.max_batch_size,
             )
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()

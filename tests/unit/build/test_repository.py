@@ -3,12 +3,14 @@
 import json
 import re
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-from tritonllm.build.builder import BuildError, BuildPlan, parse_args, plan_portable
+from tritonllm.build.builder import BuildError, BuildPlan, engine_options, main, parse_args, plan_portable
 from tritonllm.build.repository import TEMPLATES, RepositoryError, render_configs, write_repository
+from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
 
 PLAN = BuildPlan(
     engine="portable",
@@ -18,24 +20,14 @@ PLAN = BuildPlan(
     max_input_len=96,
     max_seq_len=128,
     vocab_size=1000,
-    engine_values={
-        "model_dir": "/models/m",
-        "dtype": "float32",
-        "kv_cache_tokens": "1024",
-        "max_batch_tokens": "64",
-        "cuda_graphs": "false",
-        "cudnn_attention": "false",
-        "compile": "false",
-        "async_batching": "false",
-        "fused_norms": "true",
-        "fused_projections": "true",
-        "cpu_niceness": "10",
-        "engine_process": "false",
-        "attention": "sdpa",
-        "engine_instance_kind": "KIND_CPU",
-    },
+    engine_values={"engine_instance_kind": "KIND_CPU"},
 )
 VALUES = PLAN.template_values()
+
+
+def engine_json(plan: BuildPlan) -> dict[str, str]:
+    """The engine's configuration as the build writes it (engine.json), values as text."""
+    return {name: str(value).lower() for name, value in asdict(plan.engine_config).items()}
 
 
 @pytest.fixture
@@ -64,7 +56,13 @@ def test_renders_every_model_with_derived_values():
     assert all(c.max_batch_size == 8 for c in configs.values())
     assert configs["tensorrt_llm"].model_transaction_policy.decoupled
     assert not configs["tensorrt_llm_bridge"].model_transaction_policy.decoupled
-    assert configs["tensorrt_llm"].parameters["model_dir"].string_value == "/models/m"
+    assert set(configs["tensorrt_llm"].parameters) == {
+        "max_input_len",
+        "max_seq_len",
+        "vocab_size",
+        "max_queue_size",
+        "exclude_input_in_output",
+    }, "the engine's options live in engine.json only"
     assert configs["preprocessing"].parameters["max_input_len"].string_value == "96"
 
 
@@ -172,7 +170,7 @@ def test_cuda_options_are_rendered_only_on_cuda(manifest, monkeypatch, flag, arg
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     flags = {"FLAG": flag, "NO_FLAG": "--no-" + flag[2:]}
     plan = plan_portable(Path(manifest["model_dir"]), parse_args([flags.get(a, a) for a in argv]))
-    assert plan.engine_values[flag[2:].replace("-", "_")] == expected
+    assert engine_json(plan)[flag[2:].replace("-", "_")] == expected
 
 
 # cuDNN attention: with CUDA graphs one cuDNN graph build per captured graph, without them one per new batch
@@ -193,7 +191,7 @@ def test_options_follow_cuda_graphs_unless_asked(manifest, monkeypatch, option, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     argv = [a.replace("OPTION", option.replace("_", "-")) for a in argv]
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
-    assert plan.engine_values[option] == expected
+    assert engine_json(plan)[option] == expected
 
 
 @pytest.mark.parametrize(
@@ -210,7 +208,7 @@ def test_engine_process_follows_the_device_unless_asked(manifest, monkeypatch, a
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
-    assert plan.engine_values["engine_process"] == expected
+    assert engine_json(plan)["engine_process"] == expected
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], "false"), (["--compile"], "true")])
@@ -219,7 +217,7 @@ def test_compile_is_asked_for(manifest, monkeypatch, argv, expected):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
-    assert plan.engine_values["compile"] == expected
+    assert engine_json(plan)["compile"] == expected
 
 
 @pytest.mark.parametrize(
@@ -236,7 +234,7 @@ def test_attention_is_varlen_on_cuda_unless_asked(manifest, monkeypatch, argv, c
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
-    assert plan.engine_values["attention"] == expected
+    assert engine_json(plan)["attention"] == expected
 
 
 def test_varlen_attention_on_cpu_is_refused_with_what_to_do(manifest):
@@ -273,16 +271,33 @@ def test_python_backend_threads_cover_every_admitted_request(tmp_path):
 def test_fusions_are_on_unless_asked(manifest, fusion, flag, expected):
     argv = [flag + fusion.replace("_", "-")] if flag else []
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
-    assert plan.engine_values[fusion] == expected
+    assert engine_json(plan)[fusion] == expected
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], "10"), (["--cpu-niceness", "0"], "0")])
 def test_cpu_niceness_reaches_the_engine_config(manifest, argv, expected):
     plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
-    assert plan.engine_values["cpu_niceness"] == expected
+    assert engine_json(plan)["cpu_niceness"] == expected
 
 
 def test_cpu_niceness_out_of_range_is_refused_naming_the_limit(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--cpu-niceness", "25"])
     assert "--cpu-niceness: must be from 0 to 19, got 25" in capsys.readouterr().err
+
+
+def test_each_engine_option_is_a_flag_with_its_fields_default():
+    args = parse_args([])
+    for option in engine_options():
+        assert getattr(args, option.name) == option.default, option.name
+
+
+def test_the_build_writes_the_engine_config_once_as_engine_json(manifest, tmp_path):
+    """engine.json is what EngineConfig(**json) loads in the engine model; the manifest embeds the same."""
+    argv = ["--model", manifest["model_dir"], "--build-dir", str(tmp_path), "--no-fused-norms", "--cpu-niceness", "3"]
+    assert main(argv) == 0
+    written = json.loads((tmp_path / "model_repository" / "tensorrt_llm" / "1" / ENGINE_CONFIG_FILE).read_text())
+    config = EngineConfig(**written)
+    assert config == config.resolve(), "written resolved: the engine model has nothing left to decide"
+    assert (config.fused_norms, config.cpu_niceness, config.device) == (False, 3, "cpu")
+    assert json.loads((tmp_path / "manifest.json").read_text())["engine_config"] == written

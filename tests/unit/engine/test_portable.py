@@ -165,9 +165,11 @@ def test_on_cpu_only_the_generation_loop_yields_the_cores(engine):
     assert nice(engine._manager._generation_thread) > nice(engine._router) == os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def test_async_batching_is_refused_off_cuda(manifest):
-    with pytest.raises(ValueError, match="async_batching runs on CUDA devices only"):
-        PortableEngine(EngineConfig(manifest["model_dir"], async_batching=True))
+def test_cuda_only_options_are_off_on_the_cpu(manifest):
+    config = EngineConfig(manifest["model_dir"], device="cpu", async_batching=True, cuda_graphs=True, compile=True)
+    resolved = config.resolve()
+    assert not (resolved.async_batching or resolved.cuda_graphs or resolved.compile)
+    assert (resolved.dtype, resolved.attention, resolved.engine_process) == ("float32", "sdpa", False)
 
 
 def test_compiled_engine_matches_eager(engine, manifest, tokenizer):
