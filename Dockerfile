@@ -1,5 +1,5 @@
 # One file, two images, on the same Triton release (pinned in tritonllm/versions.py; keep TRITON_TAG equal to it,
-# a test checks). NOT BUILT IN CI: the project's machines have no Docker engine and no GPU. See README, "GPU hosts".
+# a test checks). NOT BUILT IN CI: the project's machines have no Docker engine and no GPU. See docs/gpu.md.
 #
 #   docker build --target trtllm   -t tritonllm:trtllm-26.07 .   # what `make build ENGINE=trtllm` does
 #   docker build --target portable -t tritonllm:portable-26.07 .

@@ -1,11 +1,11 @@
 """The GPU comparison (NVIDIA H200): the portable engine served by Triton against transformers in-process.
 
-Runs on the lent GPU machine (no network, no real weights): builds a model of the Qwen2.5-7B shape
+Runs on an NVIDIA GPU host with no network and no real weights: builds a model of the Qwen2.5-7B shape
 with random bf16 weights (SmolLM2's tokenizer, whose ids fit the vocabulary), measures transformers'
 continuous batching in-process, then serves the same folder with `build_engines.py` +
 tritonserver and measures output tokens/s through `tensorrt_llm_bls` (gRPC streaming), with the same
 workload: N requests of PROMPT_TOKENS prompt + OUTPUT_TOKENS generated tokens. Prints JSON lines;
-benchmarks/gpu_bench.sh sets up the environment (docs/PERFORMANCE.md records the runs).
+benchmarks/gpu_bench.sh sets up the environment; docs/performance.md has the figures.
 """
 
 from __future__ import annotations
@@ -279,7 +279,7 @@ def equivalence_cases(ids: list[list[int]], reference: list[list[int]], tokens: 
 
 
 def equivalence(model_dir: Path, ids: list[list[int]], variants: list[dict], seq_len: int, reference: list) -> dict:
-    """Token-for-token agreement of engine settings on the same requests (docs/PERFORMANCE.md): for each case
+    """Token-for-token agreement of engine settings on the same requests: for each case
     and setting, the requests whose tokens equal the first setting's and where the others first differ, and
     bad words found in an answer (which must be none). `reference` is plain `generate`'s greedy tokens for
     the same prompts; greedy_c1 is compared with it too."""

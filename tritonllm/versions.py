@@ -4,7 +4,7 @@ An engine runs only under the TensorRT-LLM (and TensorRT) release that built it:
 upstream failure is "Serialization assertion stdVersionRead == kSERIALIZATION_VERSION failed",
 an engine from another release. So engines are built inside the same image that serves them.
 Triton releases 26.04 to 26.07 ship TensorRT-LLM 1.2.1 (TensorRT 10.14.1.48, CUDA 13.1), the last
-release line with the TensorRT engine backend (NVIDIA's compatibility matrix; see the README).
+release line with the TensorRT engine backend (NVIDIA's compatibility matrix; docs/gpu.md).
 """
 
 TRITON_TAG = "26.07"

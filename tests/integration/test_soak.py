@@ -65,7 +65,7 @@ async def soak(server, count: int, seed: int) -> list[str]:
             final = False
             async for result, error in grpc.stream_infer(requests()):
                 # Read the stream to its end (the server closes it after the final response): leaving
-                # the loop early would cancel the call just after it (see README, "Faults").
+                # the loop early would cancel the call just after it (docs/deploy.md, "Faults and the watchdog").
                 if error is not None:
                     failures.append(f"stream {i}: {error.message()}")
                 final = final or (result is not None and result.as_numpy("finish_reason") is not None)

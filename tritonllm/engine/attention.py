@@ -2,9 +2,9 @@
 
 The batching manager runs every request of a step as one packed sequence. With SDPA that needs a mask of
 (step tokens) x (all the batch's cached tokens) and the key/value heads repeated for grouped-query
-attention, so a step's attention grows with the square of the batch: on an H200, 256 requests of a 7B
-model decoded at ~7 steps/s (docs/PERFORMANCE.md). Its flash path takes each request's boundaries
-(`cu_seq_lens_*`) instead, but calls the flash-attn package, which publishes no wheels for current torch.
+attention, so a step's attention grows with the square of the batch (docs/performance.md). Its flash path
+takes each request's boundaries (`cu_seq_lens_*`) instead, but calls the flash-attn package, which
+publishes no wheels for current torch.
 torch ships the same FlashAttention-2 kernel as `torch.nn.attention.varlen.varlen_attn` (CUDA, fp16/bf16);
 `varlen_attention` adapts it to transformers' attention interface.
 

@@ -6,12 +6,12 @@ before they sleep, which is what makes a chain of small operations (a small mode
 but once a process holds more OpenMP threads than CPUs it cuts that spinning to a few hundred
 iterations (GOMP_SPINCOUNT and OMP_WAIT_POLICY do not lift this), and each operation then pays for
 waking its workers. Loading a model on the caller's thread and generating on the batching manager's
-leaves two teams: on a 2-core host SmolLM2 decoded at ~16 tokens/s instead of ~24 (docs/PERFORMANCE.md).
+leaves two teams, and a small host decodes much slower (docs/performance.md, "CPU: what each default is worth").
 
 While it decodes, that one team keeps every core busy, and each step of the stream around it (the
 engine's response sender, the streaming model's detokenizer, Triton's and the client's threads) woke
-to wait for a core. With the team at a lower priority (`start_yielding`) they take one at once: on 2
-cores the first streamed text came 1-2 ms sooner; the engine loses nothing when nothing else wants the
+to wait for a core. With the team at a lower priority (`start_yielding`) they take one at once, so the
+first streamed text comes sooner; the engine loses nothing when nothing else wants the
 cores, but it yields to every other busy process of the host.
 """
 

@@ -1,8 +1,8 @@
 """A model's RMSNorm layers as torch's one-kernel `rms_norm` instead of transformers' elementwise steps.
 
 transformers writes RMSNorm as ~8 elementwise operations (casts, square, mean, add, rsqrt, two products),
-each a kernel launch and a pass over the activations; a 7B decoder has 57 of them, ~450 of the ~1,500
-kernels a batch-1 decode step runs on a GPU (docs/PERFORMANCE.md). torch's `rms_norm` does it in one.
+each a kernel launch and a pass over the activations, a large share of the kernels a batch-1 decode step
+runs on a GPU (docs/performance.md). torch's `rms_norm` does it in one.
 A layer is swapped only when its class computes what `rms_norm` does, checked on a float32 copy with
 random weights: variants such as Gemma's `(1 + weight)` scaling keep their own code.
 """

@@ -2,8 +2,8 @@
 
 In one process, a single interpreter lock carries both the generation loop (transformers' host work
 for every step of every request) and the engine model's response sender (a Triton response per token
-per stream): on an H200 with 256 streams the engine's stub sat at ~0.95 cores and served streams
-reached 0.82-0.95 of the same engine in-process, depending on the host (docs/PERFORMANCE.md). With
+per stream): under a heavy load on a GPU the stub's one core bounds the served streams below the same
+engine in-process (docs/performance.md, "The engine in its own process"). With
 `EngineProcess` the stub parses requests and sends responses while a child process
 (`python -m tritonllm.engine.process FD`) runs `PortableEngine`; requests go to it one message each,
 and it sends back everything its engine emitted since its previous message in one message.

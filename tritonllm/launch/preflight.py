@@ -24,7 +24,7 @@ def problems() -> list[str]:
     if sys.platform != "linux" or platform.machine() != "x86_64":
         found.append(
             f"{sys.platform}/{platform.machine()}: the pip-packaged tritonserver needs Linux x86_64 "
-            "(elsewhere, use the Docker image: see README, 'Docker')."
+            "(elsewhere, use the Docker image: docs/deploy.md, 'Containers')."
         )
     libc, libc_version = platform.libc_ver()
     if libc == "glibc":

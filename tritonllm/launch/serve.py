@@ -16,6 +16,7 @@ from tritonllm.launch.tritonserver import (
     OpenAIFrontend,
     ServerError,
     TritonServer,
+    add_address_options,
     is_loopback,
     probe_engine,
 )
@@ -59,10 +60,7 @@ def supervise(server: TritonServer, interval: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repository", type=Path, default=Path("build/model_repository"))
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
+    add_address_options(parser)
     parser.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for the models to load")
     parser.add_argument(
         "--admin-key",
@@ -74,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         "--watchdog-seconds",
         type=float,
         default=5.0,
-        help="how often to check that the engine answers; 0: never (see README, 'Faults')",
+        help="how often to check that the engine answers; 0: never (docs/deploy.md, 'Faults and the watchdog')",
     )
     parser.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API port (0: off)")
     parser.add_argument("--model-name", help="the model name of the OpenAI API (default: the model folder's name)")

@@ -17,6 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from tritonllm.launch import container
+from tritonllm.launch.tritonserver import add_address_options
 from tritonllm.trtllm import docker
 from tritonllm.trtllm.engine_dir import EngineError, EngineInfo, check_version, read_engine
 from tritonllm.versions import TRTLLM_VERSION
@@ -48,10 +49,7 @@ def installed_trtllm() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--build-dir", type=Path, default=Path("build"))
-    parser.add_argument("--host", default="127.0.0.1", help="host address the ports are published on")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
+    add_address_options(parser)
     parser.add_argument("--exit-timeout", type=int, default=60, help="seconds the server waits for requests in flight")
     args = parser.parse_args(argv)
     build_dir = args.build_dir.resolve()

@@ -9,6 +9,7 @@ torch, transformers, tritonllm).
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -81,7 +82,7 @@ def server_env() -> dict[str, str]:
     # loader would not search it anyway: LD_LIBRARY_PATH outranks the RUNPATH through which pip's
     # CUDA libraries find each other, so a system folder there (with the image's own cuDNN) gave
     # torch in the engine's stub a mix of two cuDNN releases and no cuDNN attention: served steps
-    # ran 1.5x slower than in-process on an H200 (docs/PERFORMANCE.md).
+    # ran much slower than in-process on a GPU.
     if libdir and Path(libdir).resolve() not in loader_dirs():
         libs.insert(0, libdir)
     env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
@@ -216,6 +217,13 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def add_address_options(parser: argparse.ArgumentParser) -> None:
+    """The host and port flags every launcher shares, with Triton's default ports (protocol.PORTS)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind or publish on (default: loopback only)")
+    for api, port in PORTS.items():
+        parser.add_argument(f"--{api}-port", type=int, default=port, help=f"Triton's {api} port (default: {port})")
 
 
 def build_options(repository: Path) -> list[str]:
