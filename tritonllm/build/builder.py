@@ -12,7 +12,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tritonllm.build.model_source import ModelSourceError, resolve_model
 from tritonllm.build.repository import RepositoryError, write_repository
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
 from tritonllm.errors import ConfigError
+from tritonllm.options import add_options, option_fields
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -174,15 +174,10 @@ def trtllm_options(args: argparse.Namespace):
 
     return TrtllmBuildOptions(
         dtype="bfloat16" if args.dtype == "auto" else args.dtype,
-        quant=args.quant,
-        kv_cache_quant=args.kv_cache_quant,
-        tp_size=args.tp,
-        pp_size=args.pp,
         max_batch_size=args.max_batch_size or 64,
         max_input_len=args.max_input_len or args.max_seq_len // 2,
         max_seq_len=args.max_seq_len,
-        max_num_tokens=args.max_num_tokens,
-        calib_dataset=args.calib_dataset,
+        **{f.name: getattr(args, f.name) for f in option_fields(TrtllmBuildOptions)},
     )
 
 
@@ -233,42 +228,12 @@ def versions() -> dict[str, str]:
 
 
 def engine_options() -> list[dataclasses.Field]:
-    """EngineConfig's fields that are build options (made with engine.api.option)."""
-    return [f for f in dataclasses.fields(EngineConfig) if "help" in f.metadata]
-
-
-def add_option(group, option: dataclasses.Field) -> None:
-    """The flag of one EngineConfig option, from its definition: type, default, choices, limits and help."""
-    kind = typing.get_type_hints(EngineConfig)[option.name]
-    meta = option.metadata
-    flag = "--" + option.name.replace("_", "-")
-    help_text = meta["help"] + (" (CUDA only)" if meta["cuda_only"] else "")
-    if kind in (bool, bool | None):
-        if option.default is not None:
-            help_text += f" (default: {'on' if option.default else 'off'})"
-        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=option.default, help=help_text)
-        return
-    scalar = int if kind is int else float if kind is float else str
-
-    def parse(text: str):
-        value = scalar(text)
-        low, high = meta["limits"] or (None, None)
-        if (low is not None and value < low) or (high is not None and value > high):
-            bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
-        return value
-
-    group.add_argument(
-        flag,
-        type=parse,
-        default=option.default,
-        choices=meta["choices"] or None,
-        help=help_text + " (default: %(default)s)",
-    )
+    """EngineConfig's fields that are build options."""
+    return option_fields(EngineConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tritonllm.trtllm.engine_build import KV_CACHE_QUANT_ALGOS, QUANT_ALGOS
+    from tritonllm.trtllm.engine_build import TrtllmBuildOptions
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -305,20 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-input-len", type=int, default=0, help="prompt tokens (default: portable 3/4, trtllm 1/2 of max-seq-len)"
     )
     portable = parser.add_argument_group("portable engine")
-    for option in engine_options():
-        add_option(portable, option)
+    add_options(portable, EngineConfig)
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
     trt = parser.add_argument_group("TensorRT-LLM engine")
-    trt.add_argument("--quant", choices=list(QUANT_ALGOS), default="none", help="weight (and activation) quantization")
-    trt.add_argument(
-        "--kv-cache-quant", choices=list(KV_CACHE_QUANT_ALGOS), default="none", help="KV cache quantization"
-    )
-    trt.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per pipeline stage)")
-    trt.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    trt.add_argument("--max-num-tokens", type=int, default=8192, help="tokens per engine step")
-    trt.add_argument(
-        "--calib-dataset", default="cnn_dailymail", help="for calibrated quantization: name or local folder"
-    )
+    add_options(trt, TrtllmBuildOptions)
     trt.add_argument(
         "--kv-cache-free-gpu-mem-fraction",
         type=float,

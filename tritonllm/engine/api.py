@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
 from tritonllm.errors import ConfigError
+from tritonllm.options import option
 from tritonllm.protocol import (
     FINISH_CANCELLED,
     FINISH_EOS,
@@ -92,21 +93,10 @@ class Emission:
 ENGINE_CONFIG_FILE = "engine.json"  # beside the engine model: tensorrt_llm/1/engine.json, as the build writes it
 
 
-def option(default, help: str, *, cuda_only: bool = False, choices: tuple = (), limits: tuple | None = None):
-    """An EngineConfig field that is also a build option (`--name-with-dashes`): its one definition.
-
-    `help` is the flag's help and the line in docs/options.md; `cuda_only` fields are off on the CPU whatever
-    was asked; a None default is resolved by the build from the device (the help says how); `choices` and
-    `limits` (inclusive) are checked by the flag's parser.
-    """
-    metadata = {"help": help, "cuda_only": cuda_only, "choices": choices, "limits": limits}
-    return field(default=default, metadata=metadata)
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """The portable engine's configuration. The build resolves it and writes it as engine.json; the engine model
-    loads it with `EngineConfig(**json)`. Fields made with `option` are build options too."""
+    loads it with `EngineConfig(**json)`. Fields made with `option` are build options too (tritonllm/options.py)."""
 
     model_dir: str
     device: str = option("auto", "where the engine runs; auto: cuda when PyTorch sees a GPU", choices=AUTO_DEVICES)

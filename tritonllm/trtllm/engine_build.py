@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tritonllm.errors import ConfigError
+from tritonllm.options import option
 
 # --quant choice -> (QuantAlgo member name, needs calibration data). tensorrt_llm/quantization/mode.py, 1.2.1.
 QUANT_ALGOS: dict[str, tuple[str | None, bool]] = {
@@ -41,18 +42,20 @@ class TrtllmBuildError(ConfigError):
 
 @dataclass(frozen=True)
 class TrtllmBuildOptions:
+    """The engine build's settings; fields made with `option` are build flags too (tritonllm/options.py)."""
+
     dtype: str = "bfloat16"
-    quant: str = "none"
-    kv_cache_quant: str = "none"
+    quant: str = option("none", "weight (and activation) quantization", choices=tuple(QUANT_ALGOS))
+    kv_cache_quant: str = option("none", "KV cache quantization", choices=tuple(KV_CACHE_QUANT_ALGOS))
     group_size: int = 128  # per-group quantization (AWQ)
-    tp_size: int = 1
-    pp_size: int = 1
+    tp_size: int = option(1, "tensor-parallel size (GPUs per pipeline stage)", limits=(1, None), flag="--tp")
+    pp_size: int = option(1, "pipeline-parallel size", limits=(1, None), flag="--pp")
     max_batch_size: int = 64
     max_input_len: int = 2048
     max_seq_len: int = 4096
-    max_num_tokens: int = 8192
+    max_num_tokens: int = option(8192, "tokens per engine step", limits=(1, None))
     tokens_per_block: int = 32
-    calib_dataset: str = "cnn_dailymail"  # a dataset name (downloaded) or a local folder
+    calib_dataset: str = option("cnn_dailymail", "for calibrated quantization: a dataset name or a local folder")
     calib_batches: int = 512
 
     def check(self) -> None:

@@ -286,10 +286,14 @@ def test_cpu_niceness_out_of_range_is_refused_naming_the_limit(capsys):
     assert "--cpu-niceness: must be from 0 to 19, got 25" in capsys.readouterr().err
 
 
-def test_each_engine_option_is_a_flag_with_its_fields_default():
+def test_each_option_is_a_flag_with_its_fields_default():
+    from tritonllm.options import option_fields
+    from tritonllm.trtllm.engine_build import TrtllmBuildOptions
+
     args = parse_args([])
-    for option in engine_options():
+    for option in [*engine_options(), *option_fields(TrtllmBuildOptions)]:
         assert getattr(args, option.name) == option.default, option.name
+    assert parse_args(["--tp", "2"]).tp_size == 2
 
 
 def test_the_build_writes_the_engine_config_once_as_engine_json(manifest, tmp_path):
