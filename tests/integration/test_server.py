@@ -21,6 +21,7 @@ import tritonclient.http as httpclient
 from client import GenerationError, generate, request_tensors
 from tests.conftest import ROOT
 from tritonllm.launch.tritonserver import metric_samples, metric_value
+from tritonllm.protocol import MAX_WORDS
 from tritonllm.text.detokenization import REPLACEMENT, Detokenizer
 
 pytestmark = pytest.mark.integration
@@ -113,6 +114,29 @@ def test_stop_words_cut_the_text(url):
     assert "Paris" in full
     stopped = generate("What is the capital of France?", 24, url=url, stop=["Paris"])
     assert stopped == full[: full.index("Paris")]
+
+
+@pytest.mark.parametrize("count", [17, MAX_WORDS])
+def test_up_to_the_word_limit_stop_and_bad_words_reach_the_engine(url, count):
+    """Preprocessing sends each word twice (alone and after a space): the engine takes that many sequences."""
+    prompt = "What is the capital of France?"
+    fillers = [f"zqx{i}" for i in range(count - 1)]  # never generated; each call sends `count` words per list
+    plain = generate(prompt, 24, url=url, stop=[*fillers, "zqxlast"], bad_words=[*fillers, "zqxlast"])
+    assert "Paris" in plain
+    assert "Paris" not in generate(prompt, 24, url=url, stop=[*fillers, "zqxlast"], bad_words=[*fillers, "Paris"])
+    stopped = generate(prompt, 24, url=url, stop=[*fillers, "Paris"], bad_words=[*fillers, "zqxlast"])
+    assert stopped == plain[: plain.index("Paris")]
+
+
+@pytest.mark.parametrize("field", ["stop_words", "bad_words"])
+def test_one_word_over_the_limit_is_refused_by_its_client_name(url, field):
+    words = {"stop": [], "bad_words": []}
+    words["stop" if field == "stop_words" else "bad_words"] = [f"zqx{i}" for i in range(MAX_WORDS + 1)]
+    with pytest.raises(GenerationError) as refused:
+        generate("hi", 4, url=url, **words)
+    message = str(refused.value)
+    assert f"{field}: {MAX_WORDS + 1} words, more than the limit of {MAX_WORDS}" in message
+    assert "_list" not in message and int(refused.value.status) == 400
 
 
 def _infer_raw(url: str, inputs: list) -> tuple[int, str]:
