@@ -18,7 +18,7 @@ import pytest
 import torch
 import tritonclient.http as httpclient
 
-from client import GenerationError, generate, request_tensors
+from client import GenerationError, generate, infer_inputs, request_tensors
 from tests.conftest import ROOT
 from tritonllm.launch.tritonserver import metric_samples, metric_value
 from tritonllm.protocol import MAX_WORDS
@@ -87,6 +87,32 @@ def test_engine_tokens_equal_generate(url, tokenizer, hf_model):
         torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
     )[0, len(ids) :].tolist()
     assert tokens == reference
+
+
+def test_ensemble_finish_reasons(url):
+    with httpclient.InferenceServerClient(url) as triton:
+        cut = triton.infer("ensemble", infer_inputs(httpclient, request_tensors(PROMPTS[0], 3)))
+        whole = triton.infer("ensemble", infer_inputs(httpclient, request_tensors(PROMPTS[0], 64)))
+    assert (cut.as_numpy("finish_reason")[0, 0], cut.as_numpy("num_output_tokens")[0, 0]) == (b"length", 3)
+    assert whole.as_numpy("finish_reason")[0, 0] == b"eos" and whole.as_numpy("num_output_tokens")[0, 0] < 64
+
+
+def test_the_engine_leaves_the_end_id_out_of_its_output(url, tokenizer):
+    """As TensorRT-LLM's executor does: so postprocessing cannot see the end id, and infers "eos" from an early end."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    inputs = [
+        _tensor("input_ids", np.array([ids], np.int32), "INT32"),
+        _tensor("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
+        _tensor("request_output_len", np.array([[64]], np.int32), "INT32"),
+        _tensor("end_id", np.array([[tokenizer.eos_token_id]], np.int32), "INT32"),
+    ]
+    with httpclient.InferenceServerClient(url) as triton:
+        result = triton.infer("tensorrt_llm_bridge", inputs)
+    length = int(result.as_numpy("sequence_length")[0, 0])
+    assert 0 < length < 64
+    assert tokenizer.eos_token_id not in result.as_numpy("output_ids")[0, 0, :length].tolist()
 
 
 def test_concurrent_requests_all_answered_correctly(url, tokenizer, hf_model):

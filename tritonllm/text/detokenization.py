@@ -116,6 +116,12 @@ class Detokenizer:
 
 
 def finish_reason(stopped: bool, num_tokens: int, max_tokens: int | None) -> str:
+    """Why generation ended, inferred: the engine answers only output_ids and sequence_length (NVIDIA's C++ backend
+    has no finish-reason output). Neither engine puts the end id in output_ids (TensorRT-LLM's executor leaves it
+    out, NVIDIA/TensorRT-LLM issue 2190; the portable engine does the same), so an end before `max_tokens` without
+    a stop string is taken as the end id. Nothing else ends these requests early: preprocessing keeps `max_tokens`
+    within the sequence limit, a `stop` request cannot name the ensemble's engine request (the bridge gives it no
+    request id), and tensorrt_llm_bls answers a cancelled request with an error, not a finish reason."""
     if stopped:
         return FINISH_STOP
     if max_tokens is not None and num_tokens >= max_tokens:
