@@ -14,6 +14,7 @@ import tritonclient.grpc as grpcclient
 
 from client import generate, infer_inputs, request_tensors
 from tests.integration.test_streaming import wait_for_in_flight
+from tritonllm.protocol import MAX_WORD_BYTES
 
 pytestmark = pytest.mark.integration
 QUESTION = "What is the capital of France?"
@@ -127,6 +128,25 @@ def test_errors_in_openai_format(api, model):
         chat(api, model, max_tokens=4, logprobs=True)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_the_models_would_refuse_are_400_naming_stop(api, model, stream):
+    for stop in ("z" * (MAX_WORD_BYTES + 1), ["a", "b", "c", "d", "e"]):
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(api, model, max_tokens=4, stop=stop, stream=stream)
+        assert err.value.body["param"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_mistake_inside_the_stream_is_400(api, model, stream):
+    """A whitespace prompt passes this layer's checks and is refused by the preprocessing model, inside
+    the gRPC stream: the kind tag, not the wording or a status code, makes it a 400 (not a 500, nor a
+    200 stream that carries the error)."""
+    with pytest.raises(openai.BadRequestError, match="text_input") as err:
+        answer = api.completions.create(model=model, prompt="  \n ", max_tokens=4, stream=stream)
+        list(answer) if stream else None
+    assert err.value.status_code == 400 and err.value.body["type"] == "invalid_request_error"
+
+
 def test_api_key(openai_frontend, model):
     url = openai_frontend(api_key="s3cret")
     for key in ("wrong", ""):
@@ -158,26 +178,41 @@ def test_disconnect_cancels_the_generation(api, model, server):
     assert wait_for_in_flight(server, 0) == 0, "the engine still generates for a client that left"
 
 
-def test_server_busy_is_429(api, model, server):
-    """More requests than the engine admits (max_batch_size + max_queue_size): the next one is refused."""
+def test_server_busy_is_429_and_cancels_the_refused_choices_siblings(api, model, server):
+    """More requests than the engine admits (max_batch_size + max_queue_size): the next one is refused,
+    streamed or not. Choices run together, so one refused must cancel its admitted siblings, which
+    would otherwise hold the engine's places until max_tokens."""
     config = urllib.request.urlopen(f"http://{server.http_url}/v2/models/tensorrt_llm/config", timeout=30).read()
     capacity = int(re.search(rb'"max_batch_size":\s*(\d+)', config).group(1))
     capacity += int(re.search(rb'"max_queue_size":\{"string_value":"(\d+)"', config).group(1))
     clients = []
-    try:
-        for i in range(capacity):
+
+    def occupy(count: int) -> None:
+        for _ in range(count):
             triton = grpcclient.InferenceServerClient(f"{server.host}:{server.grpc_port}")
             triton.start_stream(callback=lambda result, error: None)
             tensors = [
-                *request_tensors(f"Story {i}.", 2000),
+                *request_tensors(f"Story {len(clients)}.", 2000),
                 ("stream", np.array([[True]]), "BOOL"),
                 ("end_id", np.array([[-1]], np.int32), "INT32"),
             ]
             triton.async_stream_infer("tensorrt_llm_bls", infer_inputs(grpcclient, tensors))
             clients.append(triton)
+
+    try:
+        occupy(capacity - 2)
+        assert wait_for_in_flight(server, capacity - 2) == capacity - 2
+        counting = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # greedy decoding keeps counting up to max_tokens
+        with pytest.raises(openai.RateLimitError, match="server busy"):  # two choices admitted, the third refused
+            api.completions.create(model=model, prompt=[counting] * 3, max_tokens=2000)
+        time.sleep(1)  # the gauge is refreshed every 0.2 s
+        assert wait_for_in_flight(server, capacity - 2, timeout=10) == capacity - 2, "the siblings still generate"
+        occupy(2)
         assert wait_for_in_flight(server, capacity) == capacity
-        with pytest.raises(openai.RateLimitError, match="server busy"):
-            chat(api, model, max_tokens=4)
+        for stream in (False, True):  # a refused stream answers 429 too, not a 200 that carries the error
+            with pytest.raises(openai.RateLimitError, match="server busy") as err:
+                list(chat(api, model, max_tokens=4, stream=True)) if stream else chat(api, model, max_tokens=4)
+            assert err.value.body["type"] == "rate_limit_exceeded" and err.value.body["code"] == "server_busy"
     finally:
         for triton in clients:
             triton.stop_stream(cancel_requests=True)

@@ -36,6 +36,7 @@ from tritonllm.backend.triton_glue import (
     exec_decoupled,
     flag,
     input_arrays,
+    log_error,
     log_exception,
     model_config,
     parameters,
@@ -59,6 +60,8 @@ class _Request:
 
     sender: object
     cancelled: bool = False  # set by the sender thread, read by the request's worker
+    engine_id: str | None = None  # its engine request's id, once being sent: the key of its `stop` request
+    stopped: bool = False  # the sender thread sent a `stop` request for it
     iterators: list = field(default_factory=list)  # its BLS response iterators, kept until settled
 
 
@@ -130,6 +133,11 @@ class StreamingModel:
         for state in list(self._live.values()):
             if not state.cancelled:
                 self._ask_cancelled(state)
+            # Stopped from here, not only by its worker at the engine's next response: a request waiting
+            # in the engine's queue gets none until it runs, and would keep its place until then.
+            if state.cancelled and not state.stopped and state.engine_id is not None:
+                state.stopped = True
+                self._stop_engine(state)
 
     def _ask_cancelled(self, state: _Request) -> None:
         """A round trip through the stub's helper thread. Only this thread asks, so none is
@@ -192,6 +200,7 @@ class StreamingModel:
         )
         collected: list[str] = []
         stopping = False
+        state.engine_id = request_id  # before the call: it returns with the engine's first response only
         for response in exec_decoupled(request, state.iterators):
             if stopping:
                 if response.has_error():
@@ -207,15 +216,16 @@ class StreamingModel:
                     self.outbox.put(state, delta)
                 elif delta:
                     collected.append(delta)
-            if stream.stopped or state.cancelled:
-                self._stop_engine(request_id, state)
+            if stream.stopped or state.cancelled:  # sent even if the sender thread did: its stop may have come first
+                self._stop_engine(state)
                 stopping = True
         if state.cancelled:
             raise _Cancelled
         return "".join(collected)
 
-    def _stop_engine(self, request_id: str, state: _Request) -> None:
+    def _stop_engine(self, state: _Request) -> None:
         """TensorRT-LLM's way to end a request early: a request with the same id and `stop` set."""
+        request_id = state.engine_id
         one = np.ones((1, 1), dtype=np.int32)
         stop = pb_utils.InferenceRequest(
             model_name=self.engine_model,
@@ -230,7 +240,7 @@ class StreamingModel:
         )
         for response in exec_decoupled(stop, state.iterators):
             if response.has_error():
-                log_exception(f"tensorrt_llm_bls: stopping engine request {request_id}: {response.error().message()}")
+                log_error(f"tensorrt_llm_bls: stopping engine request {request_id}: {response.error().message()}")
 
     def finalize(self) -> None:
         self.workers.shutdown(wait=True, cancel_futures=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.errors import InputError
+from tritonllm.errors import ErrorKind, TritonLLMError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -22,7 +22,13 @@ def log_info(message: str) -> None:
     pb_utils.Logger.log_info(message)
 
 
+def log_error(message: str) -> None:
+    """An error that is not an exception being handled: no traceback to add."""
+    pb_utils.Logger.log_error(message)
+
+
 def log_exception(message: str) -> None:
+    """Only inside an `except` block: outside one the traceback reads "NoneType: None"."""
     pb_utils.Logger.log_error(f"{message}\n{traceback.format_exc()}")
 
 
@@ -57,10 +63,6 @@ class StepError(Exception):
         self.error = error
 
 
-class ServerBusy(Exception):
-    """The engine's queue is full: UNAVAILABLE (HTTP 503, OpenAI 429), "retry later"."""
-
-
 def exec_decoupled(request, keep: list):
     """`request.exec(decoupled=True)`, its response iterator also appended to `keep`.
 
@@ -93,17 +95,19 @@ def raise_if_error(response) -> None:
 
 
 def error_response(exc: BaseException):
-    """INVALID_ARG (HTTP 400) for a client's mistake, INTERNAL for ours, the callee's code for a BLS step."""
+    """The response that fails a request with `exc`, its message tagged with its kind (see tritonllm.errors).
+
+    Our errors carry their kind's code; a BLS callee's error is passed on as it came (our models
+    tagged it already); anything else is a bug of ours: INTERNAL, logged with its traceback.
+    """
     if isinstance(exc, StepError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.error.message(), exc.error.code()))
-    if isinstance(exc, ServerBusy):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE))
-    if isinstance(exc, InputError):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
+    if isinstance(exc, TritonLLMError):
+        code = getattr(pb_utils.TritonError, exc.kind.triton_code)
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.tagged(), code))
     pb_utils.Logger.log_error("".join(traceback.format_exception(exc)))
-    return pb_utils.InferenceResponse(
-        error=pb_utils.TritonError(f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
-    )
+    message = f"{ErrorKind.INTERNAL.tag} internal error: {exc}"
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))
 
 
 def requested_outputs(request) -> set[str] | None:

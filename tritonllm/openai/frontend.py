@@ -18,10 +18,11 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+import grpc
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
@@ -31,28 +32,62 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from tritonclient.utils import InferenceServerException
 
-from tritonllm.protocol import infer_inputs, request_tensors
+from tritonllm.errors import ErrorKind
+from tritonllm.protocol import MAX_WORD_BYTES, MAX_WORDS, infer_inputs, request_tensors
 
 FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop"}
+MAX_STOPS = min(4, MAX_WORDS)  # OpenAI's limit, within what the models take
+
+# OpenAI's error `type` where it is not "invalid_request_error".
+OPENAI_TYPES = {
+    ErrorKind.BUSY: "rate_limit_exceeded",
+    ErrorKind.UNAVAILABLE: "server_error",
+    ErrorKind.INTERNAL: "server_error",
+}
+
+# Triton's own errors, which carry no kind tag, by their text: inside a gRPC stream an error has no
+# status code. Only Triton's wording here, never ours (our models tag theirs).
+TRITON_MESSAGES: tuple[tuple[str, ErrorKind], ...] = (
+    # triton-inference-server/core src/scheduler_utils.cc, PriorityQueue::PolicyQueue::Enqueue (UNAVAILABLE):
+    # a dynamic batcher's queue is full (`default_queue_policy { max_queue_size }`, the TensorRT-LLM flavor).
+    ("Exceeds maximum queue size", ErrorKind.BUSY),
+    # triton-inference-server/core src/dynamic_batch_scheduler.cc (UNAVAILABLE): a request waited in that
+    # queue longer than its policy's timeout.
+    ("Request timeout expired", ErrorKind.BUSY),
+)
+
+# Triton's status codes (gRPC's names, as tritonclient.grpc reports them), for errors without a tag or known text.
+TRITON_STATUSES = {
+    "StatusCode.INVALID_ARGUMENT": ErrorKind.INVALID_INPUT,
+    "StatusCode.RESOURCE_EXHAUSTED": ErrorKind.TOO_LARGE,  # a message over gRPC's size limit
+    "StatusCode.UNAVAILABLE": ErrorKind.UNAVAILABLE,
+    # The client named the right model (checked here): Triton missing its own model is the server's state.
+    "StatusCode.NOT_FOUND": ErrorKind.UNAVAILABLE,
+}
+
+T = TypeVar("T")
 
 
 class APIError(Exception):
-    """An error in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
+    """An error in OpenAI's format, {"error": {"message", "type", "param", "code"}}, with its kind's status."""
 
     def __init__(
         self,
-        status: int,
+        kind: ErrorKind,
         message: str,
-        kind: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.kind, self.param, self.code = kind, param, code
+        self.status = kind.http_status
+        self.type = OPENAI_TYPES.get(kind, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 class StreamOptions(BaseModel):
@@ -78,19 +113,31 @@ class SamplingRequest(BaseModel):
     response_format: dict | None = None
 
     def check_supported(self) -> None:
+        """Refuse, before any request is sent, what this server cannot honour or the models would refuse."""
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
             if getattr(self, name) != neutral:
-                raise APIError(400, f"'{name}' is not supported by this server", param=name)
+                raise APIError(ErrorKind.INVALID_INPUT, f"'{name}' is not supported by this server", param=name)
         for name in ("logprobs", "tools"):
             if getattr(self, name):
-                raise APIError(400, f"'{name}' is not supported by this server", param=name)
+                raise APIError(ErrorKind.INVALID_INPUT, f"'{name}' is not supported by this server", param=name)
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format {'type': 'text'} is supported", param="response_format")
+            raise APIError(
+                ErrorKind.INVALID_INPUT, "only response_format {'type': 'text'} is supported", param="response_format"
+            )
+        self.stops()
 
     def stops(self) -> list[str]:
+        """The stop sequences, checked here: the models would refuse them too, but only once a request runs."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4:
-            raise APIError(400, "'stop' takes at most 4 sequences", param="stop")
+        if len(stops) > MAX_STOPS:
+            raise APIError(ErrorKind.INVALID_INPUT, f"'stop' takes at most {MAX_STOPS} sequences", param="stop")
+        for stop in stops:
+            if len(stop.encode()) > MAX_WORD_BYTES:
+                raise APIError(
+                    ErrorKind.INVALID_INPUT,
+                    f"'stop': a sequence is {len(stop.encode())} bytes, over the limit of {MAX_WORD_BYTES}",
+                    param="stop",
+                )
         return stops
 
 
@@ -110,7 +157,9 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text":
                 raise APIError(
-                    400, f"only text content is supported, got a '{part.get('type')}' part", param="messages"
+                    ErrorKind.INVALID_INPUT,
+                    f"only text content is supported, got a '{part.get('type')}' part",
+                    param="messages",
                 )
             parts.append(part.get("text", ""))
         return "".join(parts)
@@ -169,16 +218,23 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A body that is not JSON or has a wrong type: a client's mistake, 400 as every other (FastAPI says 422)."""
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return APIError(400, f"{param or 'body'}: {first.get('msg')}", param=param).response()
+        # The place after "body": the field and its path (with pydantic's union members), or a malformed JSON's offset.
+        where = [str(p) for p in first.get("loc", ())[1:]] if first.get("type") != "json_invalid" else []
+        param = where[0] if where else None
+        return APIError(
+            ErrorKind.INVALID_INPUT, f"{'.'.join(where) or 'body'}: {first.get('msg')}", param=param
+        ).response()
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
         if settings.api_key and request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             if not secrets.compare_digest(given, settings.api_key):
-                return APIError(401, "Incorrect or missing API key", code="invalid_api_key").response()
+                return APIError(
+                    ErrorKind.UNAUTHORIZED, "Incorrect or missing API key", code="invalid_api_key"
+                ).response()
         return await call_next(request)
 
     def model_card() -> dict:
@@ -187,7 +243,7 @@ def create_app(settings: Settings) -> FastAPI:
     def check_model(name: str) -> None:
         if name != settings.model_name:
             raise APIError(
-                404,
+                ErrorKind.NOT_FOUND,
                 f"The model `{name}` does not exist; this server serves `{settings.model_name}`",
                 param="model",
                 code="model_not_found",
@@ -204,7 +260,10 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"ready": await client().is_server_ready()}
+        try:
+            return {"ready": await client().is_server_ready()}
+        except InferenceServerException as exc:
+            raise triton_error(exc) from None
 
     async def generate(prompt: str, body: SamplingRequest, max_tokens: int, index: int) -> AsyncIterator[Generation]:
         """Stream one choice from Triton: deltas (finish_reason None), then a final Generation."""
@@ -236,6 +295,8 @@ def create_app(settings: Settings) -> FastAPI:
                     yield generation
                     return
                 yield generation
+        except grpc.RpcError as exc:  # the call itself failed: Triton not reachable, or the stream was cut
+            raise triton_error(InferenceServerException(msg=exc.details(), status=str(exc.code()))) from None
         finally:
             # Ends the request in Triton if we stop early (the client went away). Not after the final
             # response: a cancellation arriving then leaves tritonserver 2.51 unable to unload the model.
@@ -256,7 +317,7 @@ def create_app(settings: Settings) -> FastAPI:
         prompt_tokens = len(tokenizer(prompt)["input_ids"])  # as the preprocessing model counts them
         if prompt_tokens > settings.max_input_len:
             raise APIError(
-                400,
+                ErrorKind.INVALID_INPUT,
                 f"The prompt is {prompt_tokens} tokens; this model takes at most "
                 f"{settings.max_input_len} input tokens.",
                 param="messages" if param != "max_tokens" else "prompt",
@@ -267,7 +328,7 @@ def create_app(settings: Settings) -> FastAPI:
             return room
         if requested > room:
             raise APIError(
-                400,
+                ErrorKind.INVALID_INPUT,
                 f"This model's maximum context length is {settings.max_seq_len} tokens; the prompt "
                 f"({prompt_tokens} tokens) plus {param} ({requested}) is more.",
                 param=param,
@@ -286,7 +347,7 @@ def create_app(settings: Settings) -> FastAPI:
             last.index = i
             return last
 
-        return list(await asyncio.gather(*(one(i) for i in range(len(prompts) * body.n))))
+        return await gather_or_cancel(one(i) for i in range(len(prompts) * body.n))
 
     async def merged(prompts: list[str], body: SamplingRequest, max_tokens: list[int]) -> AsyncIterator[Generation]:
         """Deltas of every choice as they come, tagged with the choice index."""
@@ -329,7 +390,7 @@ def create_app(settings: Settings) -> FastAPI:
                 async for event in events:
                     yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
             except APIError as exc:
-                yield f"data: {json.dumps({'error': {'message': str(exc), 'type': exc.kind, 'code': exc.code}})}\n\n"
+                yield f"data: {json.dumps(exc.body(), ensure_ascii=False)}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
@@ -340,7 +401,11 @@ def create_app(settings: Settings) -> FastAPI:
         body.check_supported()
         prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
         if not prompts or not all(prompts):
-            raise APIError(400, "'prompt' must be a non-empty string or list of non-empty strings", param="prompt")
+            raise APIError(
+                ErrorKind.INVALID_INPUT,
+                "'prompt' must be a non-empty string or list of non-empty strings",
+                param="prompt",
+            )
         limits = [budget(p, body.max_tokens, "max_tokens") for p in prompts]
         request_id, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": request_id, "object": "text_completion", "created": now, "model": settings.model_name}
@@ -352,9 +417,11 @@ def create_app(settings: Settings) -> FastAPI:
             ]
             return {**base, "choices": choices, "usage": usage(generations, body.n)}
 
+        generations = await started(merged(prompts, body, limits))
+
         async def events():
             finals = []
-            async for g in merged(prompts, body, limits):
+            async for g in generations:
                 if g.finish_reason:
                     finals.append(g)
                 if g.text or g.finish_reason:
@@ -373,7 +440,9 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             prompt = chat_prompt(messages)
         except Exception as exc:
-            raise APIError(400, f"the messages do not fit the model's chat template: {exc}", param="messages") from None
+            raise APIError(
+                ErrorKind.INVALID_INPUT, f"the messages do not fit the model's chat template: {exc}", param="messages"
+            ) from None
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         limit = budget(prompt, body.max_completion_tokens or body.max_tokens, param)
         request_id, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -391,6 +460,7 @@ def create_app(settings: Settings) -> FastAPI:
             ]
             return {**base, "choices": choices, "usage": usage(generations, body.n)}
         base["object"] = "chat.completion.chunk"
+        generations = await started(merged([prompt], body, [limit]))
 
         async def events():
             for i in range(body.n):
@@ -406,7 +476,7 @@ def create_app(settings: Settings) -> FastAPI:
                     ],
                 }
             finals = []
-            async for g in merged([prompt], body, [limit]):
+            async for g in generations:
                 if g.finish_reason:
                     finals.append(g)
                 if g.text:
@@ -431,21 +501,61 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-def triton_error(error: InferenceServerException) -> APIError:
-    """Triton's status -> OpenAI's: a client's mistake is 400, a full server 429, the rest 500.
+def error_kind(error: InferenceServerException) -> ErrorKind:
+    """The kind of a Triton error: its tag (our models'), else Triton's own known text, else its status code.
 
-    Errors inside a gRPC stream carry no status code, only a message; the limits a client can
-    break are checked here before the request is sent, so what remains is mostly the server's.
+    The tag and the text come first because inside a gRPC stream an error has no status code, and
+    because one code covers several kinds (UNAVAILABLE: a full queue, or a server not reachable).
     """
-    status = str(error.status() or "")
     message = error.message() or str(error)
-    if "server busy" in message:
-        return APIError(429, message, kind="rate_limit_exceeded", code="server_busy")
-    if "INVALID_ARG" in status:  # gRPC: StatusCode.INVALID_ARGUMENT
-        return APIError(400, message)
-    if "UNAVAILABLE" in status:
-        return APIError(503, f"the Triton server is not available: {message}", kind="server_error")
-    return APIError(500, message, kind="server_error")
+    kind = ErrorKind.of_message(message)
+    if kind is not None:
+        return kind
+    for text, kind in TRITON_MESSAGES:
+        if text in message:
+            return kind
+    return TRITON_STATUSES.get(str(error.status() or ""), ErrorKind.INTERNAL)
+
+
+def triton_error(error: InferenceServerException) -> APIError:
+    """Triton's error as OpenAI's, with its kind's status: a client's mistake is never a 500."""
+    kind = error_kind(error)
+    message = error.message() or str(error)
+    if kind is ErrorKind.BUSY:
+        return APIError(kind, message, code="server_busy")
+    if kind is ErrorKind.UNAVAILABLE:
+        return APIError(kind, f"the Triton server is not available: {message}")
+    return APIError(kind, message)
+
+
+async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """All results in order; the first failure cancels the others, so a failed choice leaves no sibling generating.
+
+    Returns (or raises) once the cancelled ones have finished, i.e. have cancelled their Triton requests.
+    """
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def started(items: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`items` with its first item already awaited.
+
+    A streamed answer awaits its first output before the response starts, so a request refused before
+    any output (most client mistakes are found then) answers with its error's status, not a 200 stream.
+    """
+    first = await anext(items)
+
+    async def chained() -> AsyncIterator[T]:
+        yield first
+        async for item in items:
+            yield item
+
+    return chained()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,108 @@
+"""Unit: how the Python-backend adapters answer errors (backend.triton_glue, backend.bls_model), on a fake pb_utils."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.unit.backend import fake_pb_utils
+from tritonllm.errors import EngineFailure, ErrorKind, InputError, ServerBusy
+
+
+@pytest.fixture
+def pb_utils(monkeypatch):
+    return fake_pb_utils.install(monkeypatch)
+
+
+@pytest.fixture
+def glue(pb_utils):
+    from tritonllm.backend import triton_glue
+
+    return triton_glue
+
+
+@pytest.fixture
+def bls(pb_utils):
+    from tritonllm.backend import bls_model
+
+    model = bls_model.StreamingModel.__new__(bls_model.StreamingModel)  # no tokenizer or workers needed
+    model.engine_model = "tensorrt_llm"
+    model._live = {}
+    model._unsettled = []
+    return bls_model, model
+
+
+@pytest.mark.parametrize(
+    ("error", "kind", "code"),
+    [
+        (InputError("max_tokens", "must be >= 1"), ErrorKind.INVALID_INPUT, "INVALID_ARG"),
+        (ServerBusy("the engine is full"), ErrorKind.BUSY, "UNAVAILABLE"),
+        (EngineFailure("the engine stopped"), ErrorKind.INTERNAL, "INTERNAL"),
+    ],
+)
+def test_our_errors_answer_their_kinds_code_and_tag(glue, pb_utils, error, kind, code):
+    response = glue.error_response(error)
+    assert response.error().code() == getattr(pb_utils.TritonError, code)
+    assert response.error().message() == f"{kind.tag} {error}"
+    assert ErrorKind.of_message(response.error().message()) is kind
+
+
+def test_a_callees_error_passes_on_with_its_message_and_code(glue, pb_utils):
+    callee = pb_utils.TritonError("[busy] the engine is full", pb_utils.TritonError.UNAVAILABLE)
+    response = glue.error_response(glue.StepError(callee))
+    assert (response.error().message(), response.error().code()) == (callee.message(), callee.code())
+    assert pb_utils.Logger.errors() == []
+
+
+def test_a_bug_is_internal_tagged_and_logged_with_its_traceback(glue, pb_utils):
+    try:
+        {}["missing"]
+    except KeyError as exc:
+        response = glue.error_response(exc)
+    assert response.error().code() == pb_utils.TritonError.INTERNAL
+    assert ErrorKind.of_message(response.error().message()) is ErrorKind.INTERNAL
+    (logged,) = pb_utils.Logger.errors()
+    assert "Traceback" in logged and "KeyError" in logged
+
+
+def test_bls_refuses_a_batch_as_invalid_input(bls, pb_utils):
+    _, model = bls
+    request = pb_utils.Request({"text_input": np.array([[b"a"], [b"b"]], dtype=object)})
+    model.execute([request])
+    (error,) = request.sender.errors()
+    assert error.code() == pb_utils.TritonError.INVALID_ARG
+    assert ErrorKind.of_message(error.message()) is ErrorKind.INVALID_INPUT
+    assert request.sender.closed
+
+
+def test_a_failed_stop_request_is_logged_without_a_bogus_traceback(bls, pb_utils):
+    bls_model, model = bls
+    pb_utils.bls_handler = lambda request: [
+        pb_utils.InferenceResponse(error=pb_utils.TritonError("engine gone", pb_utils.TritonError.INTERNAL))
+    ]
+    state = bls_model._Request(pb_utils.ResponseSender(), engine_id="42")
+    model._stop_engine(state)
+    (stop,) = pb_utils.bls_requests
+    assert (stop.model_name, stop.request_id, bool(stop.input("stop").item())) == ("tensorrt_llm", "42", True)
+    (logged,) = pb_utils.Logger.errors()
+    assert "42" in logged and "engine gone" in logged
+    assert "NoneType" not in logged and "Traceback" not in logged
+
+
+def test_a_cancelled_request_waiting_in_the_engine_is_stopped_by_the_sender_thread(bls, pb_utils):
+    """Its worker waits for the engine's next response, which a request in the engine's queue does not get
+    until it runs: the periodic cancellation check must stop it, once."""
+    bls_model, model = bls
+    pb_utils.bls_handler = lambda request: [pb_utils.InferenceResponse()]
+    waiting = bls_model._Request(pb_utils.ResponseSender(), engine_id="7")
+    preprocessing = bls_model._Request(pb_utils.ResponseSender())  # no engine request yet: nothing to stop
+    running = bls_model._Request(pb_utils.ResponseSender(), engine_id="8")
+    waiting.sender.cancelled = preprocessing.sender.cancelled = True
+    model._live = {id(state): state for state in (waiting, preprocessing, running)}
+    model._check_cancelled()
+    model._check_cancelled()
+    assert [(r.request_id, bool(r.input("stop").item())) for r in pb_utils.bls_requests] == [("7", True)]
+    assert waiting.stopped and preprocessing.cancelled and not preprocessing.stopped and not running.stopped
+    preprocessing.engine_id = "9"  # its engine request is sent: the next check stops it
+    model._check_cancelled()
+    assert [r.request_id for r in pb_utils.bls_requests] == ["7", "9"]
