@@ -62,20 +62,27 @@ test: build
 unit: build
 	$(PY) -m pytest -q tests/unit
 
-# Performance: perf_analyzer (from the tritonclient wheel) needs Debian's libb64 and CUDA's runtime library.
-$(VENV)/.perf: $(VENV)/.installed requirements-perf.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-perf.txt
-	@/sbin/ldconfig -p | grep -q libb64.so.0d || { [ "$$(id -u)" = 0 ] && apt-get install -y -qq libb64-0d; } \
+# Performance: perf_analyzer (from the tritonclient wheel) needs Debian's libb64 and CUDA's runtime library;
+# genai-perf and the plot's packages are pinned by constraints-perf.txt. PERF_ARGS / BENCH_ARGS go to the
+# commands, e.g. make perf PERF_ARGS="--levels 1,4 --max-tokens 16" (a short sweep, what CI runs).
+PERF_ARGS ?=
+BENCH_ARGS ?=
+$(VENV)/.perf: $(VENV)/.installed requirements-perf.txt constraints.txt constraints-perf.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-perf.txt \
+		-c constraints.txt -c constraints-perf.txt
+	@/sbin/ldconfig -p | grep -q libb64.so.0d || { [ "$$(id -u)" = 0 ] && { apt-get install -y -qq libb64-0d \
+		|| { apt-get update -qq && apt-get install -y -qq libb64-0d; }; }; } \
 		|| { echo "perf_analyzer needs libb64: sudo apt-get install libb64-0d"; exit 1; }
 	@touch $@
 
 perf: $(VENV)/.perf
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
-	$(PY) -m tritonllm perf --build-dir $(BUILD_DIR) --http-url $(HOST):$(HTTP_PORT) --grpc-url $(HOST):$(GRPC_PORT)
+	$(PY) -m tritonllm perf --build-dir $(BUILD_DIR) --http-url $(HOST):$(HTTP_PORT) --grpc-url $(HOST):$(GRPC_PORT) \
+		--metrics-url $(HOST):$(METRICS_PORT) $(PERF_ARGS)
 
 bench: $(VENV)/.perf
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
-	$(PY) -m tritonllm bench --build-dir $(BUILD_DIR)
+	$(PY) -m tritonllm bench --build-dir $(BUILD_DIR) $(BENCH_ARGS)
 
 # Kubernetes: render the Helm chart for each flavor, lint it, validate every manifest offline.
 deploy-check: $(VENV)/.installed requirements-deploy.txt

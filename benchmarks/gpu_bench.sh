@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# The GPU comparison on the lent NVIDIA H200 machine (no network): run from the repository root with
-# the bundle in .whl/gpu (built on a machine with pip, see docs/PERFORMANCE.md):
+# The GPU comparison (benchmarks/gpu_bench.py) on an NVIDIA GPU host with no network. Two commands, from
+# the repository root: the first on a machine with pip (it writes .whl/gpu; bring that folder along),
+# the second on the GPU host:
+#   bash benchmarks/gpu_bundle.sh
+#   bash benchmarks/gpu_bench.sh [gpu_bench.py options]
+# What it reads from .whl/gpu:
 #   tritonserver-min.tar.xz  the tritonserver 2.51 binary, Python backend, 3.12 stub and the libraries they
 #                          link, taken from the nvidia-pytriton 0.7.0 wheel (trimmed and stripped to fit one
 #                          transfer)
-#   numpy-1.26.4 (cp312)   the 2.51 stub corrupts BYTES tensors under numpy 2 (the image has 2.5)
+#   numpy-1.26.4 (cp312)   the 2.51 stub corrupts BYTES tensors under numpy 2
 #   tritonclient-py.zip    tritonclient 2.51.0's Python package, python_rapidjson: the clients
 #   tokenizer.tgz          SmolLM2's tokenizer files (the random model has no tokenizer of its own)
 #   overlay/*.whl          optional: the project's transformers and tokenizers wheels, used instead of the
-#                          image's when they import there (the report names the transformers release)
+#                          host's when they import there (the report names the transformers release)
 #   tools/py_spy-*.whl     optional: py-spy, for --profile-dir
-# Like shared recipe gpu-tritonserver.sh, it makes a venv with numpy 1.26 that links every other
-# package of the image except those that need numpy 2.
+# It makes a venv with numpy 1.26 that links every other package of the host's Python (torch, ...) except
+# those that need numpy 2.
 set -eu
 bundle=.whl/gpu
+[ -f "$bundle/tritonserver-min.tar.xz" ] || {
+  echo "gpu_bench: no bundle in $bundle: build it with 'bash benchmarks/gpu_bundle.sh' on a machine with pip" >&2
+  exit 1
+}
 mkdir -p /tmp/pyt /tmp/tok
 tar xJf "$bundle/tritonserver-min.tar.xz" -C /tmp/pyt
 chmod +x /tmp/pyt/pytriton/tritonserver/bin/tritonserver /tmp/pyt/pytriton/tritonserver/python_backend_stubs/*/triton_python_backend_stub

@@ -10,6 +10,11 @@
 3. build/perf/: perf_analyzer_<model>.csv, genai_perf.csv, tokens.csv, perf.png (throughput against
    p50/p99 latency, one line per model; output tokens/s against concurrency), summary.md.
 
+Each level sends a fixed number of requests (--requests x concurrency, at least 4, to the load generator;
+three times that to perf_analyzer and genai-perf, in one measurement each), so a run's length does not
+depend on how steady the host is. The load generator runs first, so neither tool meets a cold server.
+A short sweep: `tritonllm perf --levels 1,4 --max-tokens 16` (make perf PERF_ARGS="--levels 1,4 --max-tokens 16").
+
 It uses the server at --http-url/--grpc-url if one answers, else starts one on free ports.
 """
 
@@ -24,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,11 +68,20 @@ def input_data(prompts: list[str], max_tokens: int, stream: bool) -> dict:
 
 
 def run_perf_analyzer(
-    model: str, url: str, protocol: str, data_file: Path, levels: list[int], out_csv: Path, streaming: bool
+    model: str,
+    url: str,
+    protocol: str,
+    data_file: Path,
+    levels: list[int],
+    request_count,
+    out_csv: Path,
+    streaming: bool,
 ) -> list[dict]:
+    """perf_analyzer at each level: request_count(concurrency) requests in one measurement."""
     binary, env = perf_analyzer_env()
     rows: list[dict] = []
     for concurrency in levels:
+        progress(f"perf_analyzer on {model} ({protocol}), concurrency {concurrency}")
         level_csv = out_csv.with_suffix(f".c{concurrency}.csv")
         command = [
             binary,
@@ -82,14 +97,8 @@ def run_perf_analyzer(
             "text_input:1",
             "--concurrency-range",
             str(concurrency),
-            "--measurement-mode",
-            "count_windows",
-            "--measurement-request-count",
-            str(max(4, 2 * concurrency)),
-            "--max-trials",
-            "3",
-            "--stability-percentage",
-            "50",
+            "--request-count",
+            str(request_count(concurrency)),
             "-f",
             str(level_csv),
         ]
@@ -114,8 +123,11 @@ def run_perf_analyzer(
 GENAI_METRICS = ("time_to_first_token", "inter_token_latency", "request_latency")
 
 
-def run_genai_perf(grpc_url: str, tokenizer_dir: str, levels: list[int], max_tokens: int, out: Path) -> list[dict]:
-    """genai-perf 0.0.8 on tensorrt_llm_bls (gRPC streaming), one run per concurrency level."""
+def run_genai_perf(
+    grpc_url: str, metrics_url: str, tokenizer_dir: str, levels: list[int], request_count, max_tokens: int, out: Path
+) -> list[dict]:
+    """genai-perf 0.0.8 on tensorrt_llm_bls (gRPC streaming: with --service-kind triton it speaks gRPC only), one
+    run per concurrency level of request_count(concurrency) requests."""
     binary = shutil.which("genai-perf", path=str(Path(sys.executable).parent))
     if binary is None:
         raise PerfError("genai-perf is missing: pip install -r requirements-perf.txt (make perf does)")
@@ -123,6 +135,7 @@ def run_genai_perf(grpc_url: str, tokenizer_dir: str, levels: list[int], max_tok
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     rows = []
     for concurrency in levels:
+        progress(f"genai-perf on tensorrt_llm_bls (grpc), concurrency {concurrency}")
         artifacts = out / "genai-perf" / f"c{concurrency}"
         command = [
             binary,
@@ -138,6 +151,8 @@ def run_genai_perf(grpc_url: str, tokenizer_dir: str, levels: list[int], max_tok
             tokenizer_dir,
             "--url",
             grpc_url,
+            "--server-metrics-url",
+            f"http://{metrics_url}/metrics",
             "--concurrency",
             str(concurrency),
             "--num-prompts",
@@ -148,10 +163,11 @@ def run_genai_perf(grpc_url: str, tokenizer_dir: str, levels: list[int], max_tok
             "0",
             "--output-tokens-mean",
             str(max_tokens),
-            "--measurement-interval",
-            str(8000 + 1000 * concurrency),
             "--artifact-dir",
             str(artifacts),
+            "--",  # to perf_analyzer
+            "--request-count",
+            str(request_count(concurrency)),
         ]
         result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=out)
         exports = list(artifacts.glob("**/profile_export_genai_perf.json"))
@@ -174,6 +190,10 @@ def run_genai_perf(grpc_url: str, tokenizer_dir: str, levels: list[int], max_tok
         writer.writeheader()
         writer.writerows(rows)
     return rows
+
+
+def progress(text: str) -> None:
+    print(f"perf: {text} ...", flush=True)
 
 
 def write_tokens_csv(results: list[LevelResult], path: Path) -> None:
@@ -253,12 +273,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--http-url", default="127.0.0.1:8000")
     parser.add_argument("--grpc-url", default="127.0.0.1:8001")
+    parser.add_argument("--metrics-url", default="127.0.0.1:8002", help="the server's metrics, for genai-perf")
     parser.add_argument("--build-dir", type=Path, default=Path("build"))
-    parser.add_argument("--levels", default="1,2,4,8,16", help="concurrency levels")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=2, help="requests per level = this x concurrency (min 4)")
+    parser.add_argument("--levels", default="1,2,4,8,16", help="concurrency levels, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens each request generates")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=2,
+        help="the load generator's requests per level = this x concurrency (min 4); perf_analyzer and genai-perf "
+        "send three times as many",
+    )
     args = parser.parse_args(argv)
-    levels = [int(x) for x in args.levels.split(",")]
+    try:
+        levels = [int(x) for x in args.levels.split(",")]
+    except ValueError:
+        parser.error(f"--levels takes comma-separated integers, not {args.levels!r}")
+    if not levels or min(levels) < 1 or args.max_tokens < 1 or args.requests < 1:
+        parser.error("--levels, --max-tokens and --requests must be at least 1")
+    per_level = lambda c: max(4, args.requests * c)  # noqa: E731
+    started = time.monotonic()
     out = args.build_dir / "perf"
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts()
@@ -271,9 +305,13 @@ def main(argv: list[str] | None = None) -> int:
         server = TritonServer.on_free_ports(build, log_file=out / "server.log")
         server.start()
         args.http_url, args.grpc_url = server.http_url, f"{server.host}:{server.grpc_port}"
+        args.metrics_url = f"{server.host}:{server.metrics_port}"
     else:
         server = None
     try:
+        progress("load generator on tensorrt_llm_bls (grpc) and ensemble (http); it warms both up first")
+        make = lambda: Targets(args.grpc_url, args.http_url, prompts, args.max_tokens)  # noqa: E731
+        tokens = asyncio.run(_sweep(make, ["stream", "ensemble"], levels, per_level))
         pa = {}
         for model, url, protocol, stream in (
             ("ensemble", args.http_url, "http", False),
@@ -282,12 +320,25 @@ def main(argv: list[str] | None = None) -> int:
             data_file = out / f"input_{model}.json"
             data_file.write_text(json.dumps(input_data(prompts, args.max_tokens, stream), ensure_ascii=False))
             pa[model] = run_perf_analyzer(
-                model, url, protocol, data_file, levels, out / f"perf_analyzer_{model}.csv", stream
+                model,
+                url,
+                protocol,
+                data_file,
+                levels,
+                lambda c: 3 * per_level(c),
+                out / f"perf_analyzer_{model}.csv",
+                stream,
             )
         manifest = json.loads((build / "manifest.json").read_text())
-        genai = run_genai_perf(args.grpc_url, manifest["tokenizer_dir"], levels, args.max_tokens, out.resolve())
-        make = lambda: Targets(args.grpc_url, args.http_url, prompts, args.max_tokens)  # noqa: E731
-        tokens = asyncio.run(_sweep(make, ["stream", "ensemble"], levels, args.requests))
+        genai = run_genai_perf(
+            args.grpc_url,
+            args.metrics_url,
+            manifest["tokenizer_dir"],
+            levels,
+            lambda c: 3 * per_level(c),
+            args.max_tokens,
+            out.resolve(),
+        )
     except PerfError as exc:
         print(f"perf: {exc}", file=sys.stderr)
         return 1
@@ -296,16 +347,18 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     write_tokens_csv(tokens, out / "tokens.csv")
     plot(pa, tokens, out / "perf.png")
-    text = summary(pa, tokens, genai, {"max_tokens": args.max_tokens, "levels": args.levels})
+    settings = {"max_tokens": args.max_tokens, "levels": args.levels, "requests": f"{args.requests} x concurrency"}
+    text = summary(pa, tokens, genai, settings)
     (out / "summary.md").write_text(text)
     print(text)
+    print(f"perf: done in {time.monotonic() - started:.0f} s; CSV, plot and summary in {out}/")
     return 0
 
 
-async def _sweep(make_targets, names, levels, per) -> list[LevelResult]:
+async def _sweep(make_targets, names, levels, per_level) -> list[LevelResult]:
     targets = make_targets()  # its aio clients belong to this event loop
     try:
-        return await sweep(targets, names, levels, lambda c: max(4, per * c))
+        return await sweep(targets, names, levels, per_level)
     finally:
         await targets.close()
 
