@@ -13,7 +13,7 @@ COMMANDS = {
     "build": ("tritonllm.build.builder", "render the model repository (and build a TensorRT-LLM engine)"),
     "serve": ("tritonllm.launch.serve", "serve the portable flavor: tritonserver and the OpenAI layer"),
     "serve-trtllm": ("tritonllm.launch.serve_trtllm", "serve the TensorRT-LLM flavor in NVIDIA's image"),
-    "openai": ("tritonllm.openai.frontend", "the OpenAI-compatible layer alone, in front of a running server"),
+    "openai": ("tritonllm.openai.app", "the OpenAI-compatible layer alone, in front of a running server"),
     "container": ("tritonllm.launch.container", "the image's entrypoint: build-once, launch, probe"),
     "probe": ("tritonllm.launch.container", "exit 0 when the engine answers (a liveness probe)"),
     "preflight": ("tritonllm.launch.preflight", "check this host before installing"),

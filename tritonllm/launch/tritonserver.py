@@ -363,7 +363,7 @@ def port_in_use(host: str, port: int) -> bool:
 
 @dataclass
 class OpenAIFrontend:
-    """The OpenAI-compatible layer (tritonllm.openai.frontend) as a process beside tritonserver."""
+    """The OpenAI-compatible layer (tritonllm.openai.app) as a process beside tritonserver."""
 
     grpc_url: str
     tokenizer_dir: str
@@ -391,7 +391,7 @@ class OpenAIFrontend:
         command = [
             sys.executable,
             "-m",
-            "tritonllm.openai.frontend",
+            "tritonllm.openai.app",
             "--grpc-url",
             self.grpc_url,
             "--tokenizer-dir",

@@ -1,4 +1,4 @@
-"""Unit: how the OpenAI layer answers Triton's errors (tritonllm.openai.frontend), and its concurrency helpers."""
+"""Unit: how the OpenAI layer answers Triton's errors (tritonllm/openai), and its concurrency helpers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from tritonllm.errors import ErrorKind, InputError, ServerBusy
-from tritonllm.openai.frontend import TRITON_MESSAGES, APIError, gather_or_cancel, started, triton_error
+from tritonllm.openai.errors import TRITON_MESSAGES, triton_error
+from tritonllm.openai.generation import gather_or_cancel, started
+from tritonllm.openai.models import APIError
 
 
 def stream_error(message: str) -> InferenceServerException:

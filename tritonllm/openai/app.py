@@ -1,0 +1,127 @@
+"""An OpenAI-compatible API in front of the running Triton server.
+
+    python -m tritonllm.openai.app --manifest build/manifest.json [--grpc-url 127.0.0.1:8001] [--port 9000]
+
+`GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions` (with `stream: true` as
+server-sent events ending in `data: [DONE]`), so the `openai` client, LangChain, LiteLLM and chat
+UIs work unchanged. It is a thin FastAPI layer: chat messages go through the tokenizer's chat
+template, and every generation is one gRPC stream to the `tensorrt_llm_bls` model (a client that
+disconnects cancels its stream, which frees its place in the engine). No model is loaded here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from tritonllm.errors import ErrorKind
+from tritonllm.openai import routes
+from tritonllm.openai.generation import Generator
+from tritonllm.openai.models import APIError, ChatRequest, CompletionRequest, Settings
+from tritonllm.protocol import OPENAI_PORT, PORTS
+
+
+def create_app(settings: Settings) -> FastAPI:
+    generator = Generator(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await generator.close()
+
+    app = FastAPI(title="tritonllm OpenAI-compatible API", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A body that is not JSON or has a wrong type: a client's mistake, 400 as every other (FastAPI says 422)."""
+        first = exc.errors()[0]
+        # The place after "body": the field and its path (with pydantic's union members), or a malformed JSON's offset.
+        where = [str(p) for p in first.get("loc", ())[1:]] if first.get("type") != "json_invalid" else []
+        param = where[0] if where else None
+        message = f"{'.'.join(where) or 'body'}: {first.get('msg')}"
+        return APIError(ErrorKind.INVALID_INPUT, message, param=param).response()
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if settings.api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not secrets.compare_digest(given, settings.api_key):
+                return APIError(
+                    ErrorKind.UNAUTHORIZED, "Incorrect or missing API key", code="invalid_api_key"
+                ).response()
+        return await call_next(request)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [routes.model_card(generator)]}
+
+    @app.get("/v1/models/{name}")
+    async def get_model(name: str) -> dict:
+        routes.check_model(generator, name)
+        return routes.model_card(generator)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"ready": await generator.ready()}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await routes.completions(generator, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest):
+        return await routes.chat_completions(generator, body)
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--manifest", type=Path, help="build/manifest.json: the tokenizer and the model's limits")
+    parser.add_argument("--tokenizer-dir", help="without --manifest: the tokenizer folder")
+    parser.add_argument("--max-seq-len", type=int, help="without --manifest: prompt + generated tokens")
+    parser.add_argument("--max-input-len", type=int, help="without --manifest: prompt tokens the model takes")
+    parser.add_argument("--grpc-url", default=f"127.0.0.1:{PORTS['grpc']}", help="the Triton server's gRPC address")
+    parser.add_argument("--model-name", help="the name clients use (default: the tokenizer folder's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=OPENAI_PORT)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TRITONLLM_API_KEY"),
+        help="require `Authorization: Bearer KEY` (default: $TRITONLLM_API_KEY; none: open)",
+    )
+    args = parser.parse_args(argv)
+    if args.manifest:  # the build's own limits: never a second default that could disagree with them
+        manifest = json.loads(args.manifest.read_text())
+        args.tokenizer_dir = manifest["tokenizer_dir"]
+        args.max_input_len, args.max_seq_len = manifest["max_input_len"], manifest["max_seq_len"]
+    elif not (args.tokenizer_dir and args.max_input_len and args.max_seq_len):
+        parser.error("give --manifest, or --tokenizer-dir with --max-input-len and --max-seq-len")
+    settings = Settings(
+        args.grpc_url,
+        args.tokenizer_dir,
+        args.model_name or Path(args.tokenizer_dir).name,
+        args.max_input_len,
+        args.max_seq_len,
+        args.api_key or None,
+    )
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
