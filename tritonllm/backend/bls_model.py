@@ -6,12 +6,12 @@ detokenize a stream correctly; so this decoupled model runs the pipeline itself,
 holds the request's decode state. The first two steps are wired exactly as in the `ensemble`
 config, read at load time, so the two entry points cannot drift apart. The preprocessing step runs
 here, as the preprocessing model's own code with its config's parameters: a BLS round trip to that
-model cost 2.6 ms of the first token's wait on 2 CPU cores (docs/PERFORMANCE.md).
+model would add to the first token's wait (docs/performance.md, "First streamed text").
 
 Each request runs on a worker thread (`execute` returns at once) that only queues its text; one
 `Outbox` thread sends it, merging a stream's deltas that queued up while it was busy, and asks the
 server every CANCEL_CHECK_SECONDS which requests were cancelled (each `send` and `is_cancelled` is a
-round trip to the server: per token they cost more than the generation at 256 streams on an H200).
+round trip to the server: per token they would cost more than the generation under a heavy GPU load).
 A client that cancels, or a stop string, ends the engine's work with TensorRT-LLM's `stop` request,
 which both engines honour.
 """
