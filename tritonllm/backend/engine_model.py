@@ -36,7 +36,7 @@ from tritonllm.backend.triton_glue import (
 )
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, EngineConfig, GenerationRequest
 from tritonllm.engine.process import EngineProcess
-from tritonllm.errors import InputError, ServerBusy
+from tritonllm.errors import EngineFailure, InputError, ServerBusy
 from tritonllm.text.tokenization import Limits, scalar
 
 CANCEL_CHECK_SECONDS = 0.2  # and the period of the load gauges
@@ -194,8 +194,7 @@ class EngineModel:
             return
         if emission.error:
             self._close(call)
-            error = pb_utils.TritonError(f"generation failed: {emission.error}", pb_utils.TritonError.INTERNAL)
-            call.sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            call.sender.send(error_response(EngineFailure(f"generation failed: {emission.error}")), flags=FINAL)
             return
         streaming = call.requests[0].streaming
         final = emission.final and (streaming or len(call.tokens) == len(call.requests))

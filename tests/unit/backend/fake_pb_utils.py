@@ -9,7 +9,7 @@ earlier test recorded; import the adapters after it, e.g. in a fixture:
         return fake_pb_utils.install(monkeypatch)
 
 A BLS call (`InferenceRequest.exec`) answers with what `bls_handler` returns for the request, so a test
-decides what a callee model answers.
+decides what a callee model answers. Metric families a model makes are kept in `metric_families`.
 """
 
 from __future__ import annotations
@@ -169,6 +169,45 @@ class Logger:
         return [message for level, message in cls.records if level == "error"]
 
 
+class Metric:
+    """One labelled metric: `value()` is a counter's or gauge's value; a histogram's observations are in `observed`."""
+
+    def __init__(self, labels: dict[str, str], buckets: list[float] | None = None) -> None:
+        self.labels, self.buckets = dict(labels), buckets
+        self._value = 0.0
+        self.observed: list[float] = []
+
+    def increment(self, by: float) -> None:
+        self._value += by
+
+    def set(self, value: float) -> None:
+        self._value = value
+
+    def observe(self, value: float) -> None:
+        self.observed.append(value)
+
+    def value(self) -> float:
+        return self._value
+
+
+class MetricFamily:
+    """Recorded in `metric_families`, with the metrics made from it in `metrics`."""
+
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name, self.description, self.kind = name, description, kind
+        self.metrics: list[Metric] = []
+        metric_families.append(self)
+
+    def Metric(self, labels: dict[str, str], buckets: list[float] | None = None) -> Metric:  # the real method name
+        metric = Metric(labels, buckets)
+        self.metrics.append(metric)
+        return metric
+
+
 def using_decoupled_model_transaction_policy(config: dict) -> bool:
     return bool(config.get("model_transaction_policy", {}).get("decoupled", False))
 
@@ -179,6 +218,7 @@ def _no_callee(request: InferenceRequest) -> list[InferenceResponse]:
 
 bls_handler: Callable[[InferenceRequest], list[InferenceResponse]] = _no_callee
 bls_requests: list[InferenceRequest] = []
+metric_families: list[MetricFamily] = []
 
 
 def install(monkeypatch) -> object:
@@ -188,4 +228,5 @@ def install(monkeypatch) -> object:
     monkeypatch.setattr(Logger, "records", [])
     monkeypatch.setattr(module, "bls_handler", _no_callee)
     monkeypatch.setattr(module, "bls_requests", [])
+    monkeypatch.setattr(module, "metric_families", [])
     return module

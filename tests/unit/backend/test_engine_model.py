@@ -1,31 +1,63 @@
-"""Unit: the portable engine's Triton adapter (backend.engine_model) answers every request once, on a fake pb_utils."""
+"""Unit: the portable engine's Triton adapter (backend.engine_model) answers every request once, on a fake pb_utils.
+
+Admission against the engine's capacity, client cancellation, TensorRT-LLM's `stop` input (also the
+health probe), streaming and non-streaming answers, and engine errors, each with the fake engine
+below driven by the test.
+"""
 
 from __future__ import annotations
 
+import json
 import queue
+import time
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from tests.unit.backend import fake_pb_utils
-from tritonllm.engine.api import FINISH_CANCELLED, FINISH_LENGTH, Emission, GenerationRequest
+from tritonllm.engine.api import (
+    ENGINE_CONFIG_FILE,
+    FINISH_CANCELLED,
+    FINISH_EOS,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    Emission,
+    GenerationRequest,
+)
+from tritonllm.errors import ErrorKind
 from tritonllm.text.tokenization import Limits
 
 
 class FakeEngine:
-    """Takes requests and answers them when the test says; `submit` raises for a prompt starting with `refuse`."""
+    """Takes requests and answers them when the test says; `submit` raises for a prompt starting with `refuse`.
+
+    `cancel` is recorded in `cancels`; it ends the request at once (a cancelled emission) unless
+    `cancel_ends` is False, as when the engine's loop has not reached it yet: the test then ends it
+    with `emit`.
+    """
 
     def __init__(self, refuse: int) -> None:
         self.refuse = refuse
         self.taken: dict[str, tuple[GenerationRequest, Callable[[Emission], None]]] = {}
+        self.submitted = 0
+        self.cancels: list[str] = []
+        self.cancel_ends = True
+        self.is_alive = True
+        self.warmups: list[GenerationRequest] = []
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         if request.input_ids[0] == self.refuse:
             raise RuntimeError("the engine refused this one")
-        engine_id = f"e{len(self.taken)}"
+        engine_id = f"e{self.submitted}"
+        self.submitted += 1
         self.taken[engine_id] = (request, emit)
         return engine_id
+
+    def emit(self, engine_id: str, emission: Emission) -> None:
+        """The engine reports `emission` for one request; a final one ends it."""
+        _, emit = self.taken.pop(engine_id) if emission.final else self.taken[engine_id]
+        emit(emission)
 
     def finish_all(self) -> None:
         while self.taken:
@@ -33,12 +65,31 @@ class FakeEngine:
             emit(Emission(list(range(request.max_new_tokens)), FINISH_LENGTH))
 
     def cancel(self, engine_id: str) -> None:
+        self.cancels.append(engine_id)
+        if not self.cancel_ends:
+            return
         taken = self.taken.pop(engine_id, None)
         if taken is not None:
             taken[1](Emission([], FINISH_CANCELLED))
 
     def running(self) -> int:
         return len(self.taken)
+
+    def in_batch(self) -> int:
+        return len(self.taken)
+
+    def captured_graphs(self) -> int:
+        return 0
+
+    def alive(self) -> bool:
+        return self.is_alive
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None) -> tuple[list[int], str]:
+        self.warmups.append(request)
+        return [0] * request.max_new_tokens, FINISH_LENGTH
+
+    def shutdown(self) -> None:
+        self.is_alive = False
 
 
 class InlineOutbox:
@@ -71,14 +122,34 @@ def model(pb_utils):
     return model
 
 
-def request(pb_utils, *prompts: list[int]):
+def request(pb_utils, *prompts: list[int], request_id: str = "", **extra: np.ndarray):
+    """A `tensorrt_llm` request of one row per prompt, 3 tokens to generate each, with `extra` inputs."""
     ids = np.asarray(prompts, dtype=np.int32)
     inputs = {
         "input_ids": ids,
         "input_lengths": np.full((len(prompts),), ids.shape[1], dtype=np.int32),
         "request_output_len": np.full((len(prompts),), 3, dtype=np.int32),
+        **extra,
     }
-    return pb_utils.Request(inputs)
+    return pb_utils.Request(inputs, request_id=request_id)
+
+
+def stop_request(pb_utils, request_id: str):
+    """TensorRT-LLM's `stop` request, with the inputs the health probe sends (tritonllm.launch.tritonserver)."""
+    one = np.ones((1, 1), dtype=np.int32)
+    inputs = {"input_ids": one, "input_lengths": one, "request_output_len": one, "stop": np.array([[True]])}
+    return pb_utils.Request(inputs, request_id=request_id)
+
+
+def output_ids(pb_utils, response) -> list:
+    return pb_utils.get_output_tensor_by_name(response, "output_ids").as_numpy().tolist()
+
+
+def finals(pb_utils, sender) -> int:
+    return sum(1 for _, flags in sender.sent if flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+STREAMING = {"streaming": np.array([[True]])}
 
 
 def test_a_request_the_engine_refuses_fails_alone(model, pb_utils):
@@ -104,3 +175,304 @@ def test_a_refused_row_ends_its_whole_request_once(model, pb_utils):
     [(response, flags)] = batched.sender.sent
     assert flags == pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL and response.has_error()
     assert model._live == {}
+
+
+FINAL = fake_pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+# Admission: requests beyond max_batch_size running + max_queue_size waiting are refused as busy.
+
+
+def test_a_request_over_the_engines_capacity_is_refused_as_busy(model, pb_utils):
+    full = [request(pb_utils, [1, 2]) for _ in range(model.capacity - 1)]
+    model.execute(full)
+    last_seat = request(pb_utils, [1, 2])
+    model.execute([last_seat])  # capacity - 1 in the engine: still admitted
+    assert last_seat.sender.sent == [] and model.engine.running() == model.capacity
+
+    over = request(pb_utils, [1, 2])
+    model.execute([over])
+    [(response, flags)] = over.sender.sent
+    assert flags == FINAL
+    error = response.error()
+    assert error.code() == pb_utils.TritonError.UNAVAILABLE
+    assert error.message().startswith(f"{ErrorKind.BUSY.tag} ")
+    assert f"its limit is {model.capacity}" in error.message() and "max_queue_size" in error.message()
+    assert model.engine.running() == model.capacity, "nothing of the refused request reached the engine"
+    assert ("error", "server_busy") in drain(model._finished)
+    assert all(r.sender.sent == [] for r in [*full, last_seat])
+
+
+def test_admission_counts_a_batched_requests_rows(model, pb_utils):
+    model.execute([request(pb_utils, [1, 2]) for _ in range(model.capacity - 1)])
+    two_rows = request(pb_utils, [1, 2], [3, 4])
+    model.execute([two_rows])  # one seat left, two rows
+    [(response, flags)] = two_rows.sender.sent
+    assert flags == FINAL and ErrorKind.of_message(response.error().message()) is ErrorKind.BUSY
+    one_row = request(pb_utils, [1, 2])
+    model.execute([one_row])
+    assert one_row.sender.sent == [] and model.engine.running() == model.capacity
+
+
+def test_a_seat_freed_by_a_finished_request_is_taken_again(model, pb_utils):
+    model.execute([request(pb_utils, [1, 2]) for _ in range(model.capacity)])
+    model.engine.emit("e0", Emission([5], FINISH_EOS))
+    again = request(pb_utils, [1, 2])
+    model.execute([again])
+    assert again.sender.sent == [] and model.engine.running() == model.capacity
+
+
+# Cancellation: the sender thread's periodic check cancels what the client gave up.
+
+
+def test_a_cancelled_request_is_cancelled_in_the_engine_by_the_periodic_check_and_ends_once(model, pb_utils):
+    cancelled, kept = request(pb_utils, [1, 2]), request(pb_utils, [3, 4], **STREAMING)
+    model.execute([cancelled, kept])
+    cancelled.sender.cancelled = True
+    assert model.engine.cancels == [], "nothing is cancelled before the check"
+    model._check_cancelled()
+    assert set(model.engine.cancels) == {"e0"}  # once by the check, once more (a no-op) as the call closes
+    [(response, flags)] = cancelled.sender.sent
+    assert flags == FINAL and not response.has_error()
+    assert pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().tolist() == [[0]]
+    calls = len(model.engine.cancels)
+    model._check_cancelled()
+    assert len(model.engine.cancels) == calls, "an ended request is not cancelled again"
+    assert finals(pb_utils, cancelled.sender) == 1
+    assert kept.sender.sent == [] and model.engine.running() == 1
+
+
+def test_a_cancelled_request_the_engine_ends_later_still_gets_one_final_response(model, pb_utils):
+    """The engine's loop ends a cancelled request at its next step: checks until then ask again, harmlessly."""
+    model.engine.cancel_ends = False
+    cancelled = request(pb_utils, [1, 2], **STREAMING)
+    model.execute([cancelled])
+    model.engine.emit("e0", Emission([5]))
+    cancelled.sender.cancelled = True
+    model._check_cancelled()
+    model._check_cancelled()
+    assert set(model.engine.cancels) == {"e0"} and finals(pb_utils, cancelled.sender) == 0
+    model.engine.emit("e0", Emission([6], FINISH_CANCELLED))  # with the tokens generated until then
+    model._check_cancelled()
+    calls = len(model.engine.cancels)
+    model._check_cancelled()
+    assert len(model.engine.cancels) == calls, "the ended request is no longer checked"
+    assert [output_ids(pb_utils, r) for r, _ in cancelled.sender.sent] == [[[[5]]], [[[6]]]]
+    assert [flags for _, flags in cancelled.sender.sent] == [0, FINAL]
+
+
+@pytest.fixture
+def started(pb_utils, monkeypatch, tmp_path):
+    """An EngineModel through `initialize`, with its real sender thread, on a fake engine in place of EngineProcess."""
+    from tritonllm.backend import engine_model
+
+    engine = FakeEngine(refuse=7)
+    monkeypatch.setattr(engine_model, "EngineProcess", lambda config: engine)
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / ENGINE_CONFIG_FILE).write_text(json.dumps({"model_dir": "unused", "engine_process": True}))
+    config = {
+        "max_batch_size": 2,
+        "model_transaction_policy": {"decoupled": True},
+        "parameters": {
+            name: {"string_value": value}
+            for name, value in {
+                "max_input_len": "8",
+                "max_seq_len": "16",
+                "vocab_size": "100",
+                "max_queue_size": "1",
+                "exclude_input_in_output": "true",
+            }.items()
+        },
+    }
+    model = engine_model.EngineModel()
+    args = {"model_config": json.dumps(config), "model_repository": str(tmp_path), "model_version": "1"}
+    model.initialize({**args, "model_name": "tensorrt_llm"})
+    yield model
+    model.finalize()
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_capacity_is_max_batch_size_plus_max_queue_size(started, pb_utils):
+    assert started.capacity == 3 and len(started.engine.warmups) == 1
+    admitted = [request(pb_utils, [1, 2]) for _ in range(3)]
+    started.execute(admitted)
+    over = request(pb_utils, [1, 2])
+    started.execute([over])
+    assert started.engine.running() == 3 and all(r.sender.sent == [] for r in admitted)
+    [(response, flags)] = over.sender.sent
+    assert flags == FINAL and response.error().code() == pb_utils.TritonError.UNAVAILABLE
+    assert response.error().message().startswith(ErrorKind.BUSY.tag) and "its limit is 3" in response.error().message()
+
+
+def test_the_sender_thread_checks_for_cancelled_requests(started, pb_utils):
+    cancelled = request(pb_utils, [1, 2])
+    started.execute([cancelled])
+    cancelled.sender.cancelled = True
+    assert wait_for(lambda: cancelled.sender.closed), "the periodic check never cancelled the request"
+    assert started.engine.cancels[0] == "e0" and set(started.engine.cancels) == {"e0"}
+    time.sleep(3 * 0.2)  # a few more periods: no second answer
+    assert finals(pb_utils, cancelled.sender) == 1 and len(cancelled.sender.sent) == 1
+
+
+# TensorRT-LLM's `stop` input: end the running requests with that request id.
+
+
+def test_a_stop_request_ends_the_running_request_with_its_id(model, pb_utils):
+    stopped = request(pb_utils, [1, 2], [3, 4], request_id="r1")  # two rows: both end
+    other = request(pb_utils, [5, 6], request_id="r2", **STREAMING)
+    model.execute([stopped, other])
+    stop = stop_request(pb_utils, "r1")
+    model.execute([stop])
+    assert set(model.engine.cancels) == {"e0", "e1"}
+    assert stop.sender.sent == [(None, FINAL)]
+    [(response, flags)] = stopped.sender.sent
+    assert flags == FINAL and not response.has_error()
+    assert other.sender.sent == [] and model.engine.running() == 1 and "e2" in model.engine.taken
+
+
+def test_a_stop_request_ends_a_stream_after_the_tokens_it_got(model, pb_utils):
+    stream = request(pb_utils, [1, 2], request_id="r1", **STREAMING)
+    model.execute([stream])
+    model.engine.emit("e0", Emission([5]))
+    model.execute([stop_request(pb_utils, "r1")])
+    assert set(model.engine.cancels) == {"e0"}
+    assert [flags for _, flags in stream.sender.sent] == [0, FINAL]
+    assert stream.sender.sent[-1][0] is None, "the cancelled emission had no tokens: an empty final response"
+
+
+def test_a_stop_for_an_unknown_id_is_answered_at_once(model, pb_utils):
+    """What the health probe sends (tritonllm.launch.tritonserver.probe_engine): it must not wait for anything."""
+    running = request(pb_utils, [1, 2], request_id="r1")
+    model.execute([running])
+    probe = stop_request(pb_utils, "tritonllm-health-probe")
+    model.execute([probe])
+    assert probe.sender.sent == [(None, FINAL)]
+    assert model.engine.cancels == [] and running.sender.sent == [] and model.engine.running() == 1
+
+
+def test_a_stop_without_a_request_id_is_invalid_input(model, pb_utils):
+    model.execute([request(pb_utils, [1, 2])])  # a request without an id is not stopped either
+    stop = stop_request(pb_utils, "")
+    model.execute([stop])
+    [(response, flags)] = stop.sender.sent
+    assert flags == FINAL and response.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert ErrorKind.of_message(response.error().message()) is ErrorKind.INVALID_INPUT
+    assert "stop" in response.error().message() and model.engine.cancels == []
+
+
+def test_a_stop_fails_when_the_engines_loop_has_stopped(model, pb_utils):
+    """So the health probe reports a dead engine instead of a healthy one."""
+    model.engine.is_alive = False
+    probe = stop_request(pb_utils, "tritonllm-health-probe")
+    model.execute([probe])
+    [(response, flags)] = probe.sender.sent
+    assert flags == FINAL and response.error().code() == pb_utils.TritonError.INTERNAL
+    assert "stopped" in response.error().message()
+
+
+# Streaming or not: one response with all the tokens, or one per emission; the final flag on the last.
+
+
+def test_a_non_streaming_request_gets_one_response_with_all_its_tokens(model, pb_utils):
+    call = request(pb_utils, [1, 2])
+    model.execute([call])
+    model.engine.emit("e0", Emission([5, 6, 7], FINISH_LENGTH))
+    [(response, flags)] = call.sender.sent
+    assert flags == FINAL and output_ids(pb_utils, response) == [[[5, 6, 7]]]
+    assert pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().tolist() == [[3]]
+    assert model._live == {}
+
+
+def test_a_non_streaming_request_can_ask_for_its_input_in_the_output(model, pb_utils):
+    call = request(pb_utils, [1, 2], exclude_input_in_output=np.array([[False]]))
+    model.execute([call])
+    model.engine.emit("e0", Emission([5], FINISH_EOS))
+    [(response, flags)] = call.sender.sent
+    assert flags == FINAL and output_ids(pb_utils, response) == [[[1, 2, 5]]]
+
+
+def test_a_batched_request_is_answered_once_when_all_its_rows_end(model, pb_utils):
+    call = request(pb_utils, [1, 2], [3, 4], pad_id=np.array([[9]], dtype=np.int32))
+    model.execute([call])
+    model.engine.emit("e1", Emission([5, 6], FINISH_LENGTH))
+    assert call.sender.sent == [], "one row ended: nothing yet"
+    model.engine.emit("e0", Emission([7], FINISH_EOS))
+    [(response, flags)] = call.sender.sent
+    assert flags == FINAL and output_ids(pb_utils, response) == [[[7, 9]], [[5, 6]]]
+    assert pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().tolist() == [[1], [2]]
+
+
+def test_a_streaming_request_gets_a_response_per_emission_and_the_final_flag_on_the_last(model, pb_utils):
+    stream = request(pb_utils, [1, 2], **STREAMING)
+    model.execute([stream])
+    model.engine.emit("e0", Emission([5]))
+    model.engine.emit("e0", Emission([6, 7]))
+    assert [flags for _, flags in stream.sender.sent] == [0, 0]
+    model.engine.emit("e0", Emission([8], FINISH_LENGTH))
+    assert [output_ids(pb_utils, r) for r, _ in stream.sender.sent] == [[[[5]]], [[[6, 7]]], [[[8]]]]
+    assert [flags for _, flags in stream.sender.sent] == [0, 0, FINAL]
+    assert model._live == {}
+
+
+def test_a_stream_that_ends_without_new_tokens_gets_an_empty_final_response(model, pb_utils):
+    stream = request(pb_utils, [1, 2], **STREAMING)
+    model.execute([stream])
+    model.engine.emit("e0", Emission([5]))
+    model.engine.emit("e0", Emission([], FINISH_EOS))
+    assert [flags for _, flags in stream.sender.sent] == [0, FINAL]
+    assert stream.sender.sent[-1][0] is None
+
+
+# Errors: an engine error ends the request with a tagged INTERNAL error, once.
+
+
+def test_an_engine_error_ends_a_request_with_an_internal_error(model, pb_utils):
+    call = request(pb_utils, [1, 2])
+    model.execute([call])
+    model.engine.emit("e0", Emission([], FINISH_ERROR, error="CUDA error: out of memory"))
+    [(response, flags)] = call.sender.sent
+    assert flags == FINAL
+    error = response.error()
+    assert error.code() == pb_utils.TritonError.INTERNAL
+    assert error.message().startswith(f"{ErrorKind.INTERNAL.tag} ")
+    assert ErrorKind.of_message(error.message()) is ErrorKind.INTERNAL
+    assert "CUDA error: out of memory" in error.message()
+    assert pb_utils.Logger.errors() == [], "an engine failure is not a bug of the adapter: no traceback logged"
+    assert model._live == {}
+
+
+def test_an_engine_error_ends_a_stream_after_its_tokens(model, pb_utils):
+    stream = request(pb_utils, [1, 2], **STREAMING)
+    model.execute([stream])
+    model.engine.emit("e0", Emission([5]))
+    _, late = model.engine.taken["e0"]
+    model.engine.emit("e0", Emission([], FINISH_ERROR, error="boom"))
+    assert [flags for _, flags in stream.sender.sent] == [0, FINAL]
+    assert ErrorKind.of_message(stream.sender.sent[-1][0].error().message()) is ErrorKind.INTERNAL
+    late(Emission([6], FINISH_CANCELLED))  # an emission racing the end (a cancel's): the request is answered already
+    assert len(stream.sender.sent) == 2
+
+
+def test_an_engine_error_in_one_row_ends_the_whole_request_once(model, pb_utils):
+    call = request(pb_utils, [1, 2], [3, 4])
+    model.execute([call])
+    model.engine.emit("e1", Emission([], FINISH_ERROR, error="boom"))
+    assert "e0" in model.engine.cancels, "the other row is cancelled, freeing its batch slot"
+    [(response, flags)] = call.sender.sent
+    assert flags == FINAL and response.error().code() == pb_utils.TritonError.INTERNAL
+    assert model._live == {} and model.engine.running() == 0
+
+
+def drain(records: queue.SimpleQueue) -> list:
+    out = []
+    while not records.empty():
+        out.append(records.get())
+    return out
