@@ -144,8 +144,7 @@ class EngineModel:
         if not request_id:
             raise InputError("stop", "a stop request must carry the id of the request to stop")
         if not self.engine.alive():  # so the health probe (tritonllm.launch.tritonserver.probe_engine) fails
-            error = pb_utils.TritonError("the engine's generation loop has stopped", pb_utils.TritonError.INTERNAL)
-            sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+            sender.send(error_response(EngineFailure("the engine's generation loop has stopped")), flags=FINAL)
             return
         for call in list(self._live.values()):
             if call.request_id == request_id:
