@@ -62,6 +62,7 @@ class _Request:
     cancelled: bool = False  # set by the sender thread, read by the request's worker
     engine_id: str | None = None  # its engine request's id, once being sent: the key of its `stop` request
     stopped: bool = False  # the sender thread sent a `stop` request for it
+    answered: bool = False  # the engine answered it once: its worker stops it at the next response
     iterators: list = field(default_factory=list)  # its BLS response iterators, kept until settled
 
 
@@ -135,7 +136,7 @@ class StreamingModel:
                 self._ask_cancelled(state)
             # Stopped from here, not only by its worker at the engine's next response: a request waiting
             # in the engine's queue gets none until it runs, and would keep its place until then.
-            if state.cancelled and not state.stopped and state.engine_id is not None:
+            if state.cancelled and not state.stopped and state.engine_id is not None and not state.answered:
                 state.stopped = True
                 self._stop_engine(state)
 
@@ -202,6 +203,7 @@ class StreamingModel:
         stopping = False
         state.engine_id = request_id  # before the call: it returns with the engine's first response only
         for response in exec_decoupled(request, state.iterators):
+            state.answered = True
             if stopping:
                 if response.has_error():
                     break  # an error ends the request: nothing more will come

@@ -106,3 +106,15 @@ def test_a_cancelled_request_waiting_in_the_engine_is_stopped_by_the_sender_thre
     preprocessing.engine_id = "9"  # its engine request is sent: the next check stops it
     model._check_cancelled()
     assert [r.request_id for r in pb_utils.bls_requests] == ["7", "9"]
+
+
+def test_a_cancelled_request_the_engine_answered_is_left_to_its_worker(bls, pb_utils):
+    """Its worker stops it at the engine's next response. Stopping running requests from the sender thread too
+    left the server slow after 20 cancelled streams (tests/integration/test_streaming.py)."""
+    bls_model, model = bls
+    pb_utils.bls_handler = lambda request: [pb_utils.InferenceResponse()]
+    answered = bls_model._Request(pb_utils.ResponseSender(), engine_id="7", answered=True)
+    answered.sender.cancelled = True
+    model._live = {id(answered): answered}
+    model._check_cancelled()
+    assert answered.cancelled and not answered.stopped and pb_utils.bls_requests == []
