@@ -43,6 +43,7 @@ from tritonllm.backend.triton_glue import (
     raise_if_error,
 )
 from tritonllm.errors import InputError
+from tritonllm.protocol import stop_request_tensors
 from tritonllm.text.detokenization import Detokenizer, finish_reason
 from tritonllm.text.stream import TextStream
 from tritonllm.text.tokenization import as_text, scalar
@@ -228,15 +229,9 @@ class StreamingModel:
     def _stop_engine(self, state: _Request) -> None:
         """TensorRT-LLM's way to end a request early: a request with the same id and `stop` set."""
         request_id = state.engine_id
-        one = np.ones((1, 1), dtype=np.int32)
         stop = pb_utils.InferenceRequest(
             model_name=self.engine_model,
-            inputs=[
-                pb_utils.Tensor("input_ids", one),
-                pb_utils.Tensor("input_lengths", one),
-                pb_utils.Tensor("request_output_len", one),
-                pb_utils.Tensor("stop", np.array([[True]])),
-            ],
+            inputs=[pb_utils.Tensor(name, value) for name, value, _ in stop_request_tensors()],
             requested_output_names=["output_ids"],
             request_id=request_id,
         )

@@ -14,16 +14,7 @@ from dataclasses import dataclass
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
 from tritonllm.errors import ConfigError
 from tritonllm.options import option
-from tritonllm.protocol import (
-    FINISH_CANCELLED,
-    FINISH_EOS,
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    MAX_WORD_SEQUENCES,
-)
-
-__all__ = ["FINISH_CANCELLED", "FINISH_EOS", "FINISH_ERROR", "FINISH_LENGTH", "FINISH_STOP"]  # engine vocabulary
+from tritonllm.protocol import MAX_WORD_SEQUENCES
 
 AUTO_DEVICES = ("auto", "cpu", "cuda")
 

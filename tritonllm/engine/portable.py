@@ -23,25 +23,21 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from tritonllm.engine import attention
-from tritonllm.engine.api import (
-    FINISH_CANCELLED,
-    FINISH_EOS,
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    BlockingGenerate,
-    Emission,
-    EngineConfig,
-    GenerationRequest,
-    check_request,
-)
+from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, check_request
 from tritonllm.engine.cpu_threads import on_fresh_thread, start_yielding
 from tritonllm.engine.norms import fuse_rms_norms
 from tritonllm.engine.projections import merge_projections
 from tritonllm.engine.sampling import ends_with, key_graphs_by_processors, request_processors
 from tritonllm.engine.step_graphs import graph_steps_up_to
 from tritonllm.errors import EngineFailure
-from tritonllm.protocol import MAX_WORD_SEQUENCES
+from tritonllm.protocol import (
+    FINISH_CANCELLED,
+    FINISH_EOS,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    MAX_WORD_SEQUENCES,
+)
 
 log = logging.getLogger(__name__)
 

@@ -26,15 +26,9 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from tritonllm.engine.api import (
-    FINISH_ERROR,
-    BlockingGenerate,
-    Emission,
-    EngineConfig,
-    GenerationRequest,
-    check_request,
-)
+from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, check_request
 from tritonllm.errors import EngineFailure
+from tritonllm.protocol import FINISH_ERROR
 
 LOAD_PERIOD = 0.2  # seconds between the child's load reports while it emits nothing
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tritonllm.errors import TritonLLMError
-from tritonllm.protocol import ENGINE_MODEL, PORTS
+from tritonllm.protocol import ENGINE_MODEL, PORTS, infer_inputs, stop_request_tensors
 
 CONTAINER_BINARY = "/opt/tritonserver/bin/tritonserver"  # in NVIDIA's images
 CONTAINER_PORTS = PORTS  # inside the image the server listens on the default ports; docker publishes them
@@ -294,26 +294,15 @@ def is_loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
-def probe_engine(grpc_url: str, engine_model: str = "tensorrt_llm", timeout: float = 10.0) -> str | None:
+def probe_engine(grpc_url: str, engine_model: str = ENGINE_MODEL, timeout: float = 10.0) -> str | None:
     """None if the engine answers; else why not. The probe is TensorRT-LLM's `stop` request for an
     id no request has, which both engines answer at once without generating."""
     import queue
 
-    import numpy as np
     import tritonclient.grpc as grpcclient
 
     answers: queue.Queue = queue.Queue()
-    one = np.ones((1, 1), dtype=np.int32)
-    inputs = []
-    for name, value, datatype in (
-        ("input_ids", one, "INT32"),
-        ("input_lengths", one, "INT32"),
-        ("request_output_len", one, "INT32"),
-        ("stop", np.array([[True]]), "BOOL"),
-    ):
-        tensor = grpcclient.InferInput(name, list(value.shape), datatype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
+    inputs = infer_inputs(grpcclient, stop_request_tensors())
     try:
         with grpcclient.InferenceServerClient(grpc_url) as triton:
             triton.start_stream(callback=lambda result, error: answers.put(error))

@@ -16,16 +16,9 @@ import numpy as np
 import pytest
 
 from tests.unit.backend import fake_pb_utils
-from tritonllm.engine.api import (
-    ENGINE_CONFIG_FILE,
-    FINISH_CANCELLED,
-    FINISH_EOS,
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    Emission,
-    GenerationRequest,
-)
+from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, GenerationRequest
 from tritonllm.errors import ErrorKind
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH
 from tritonllm.text.tokenization import Limits
 
 

@@ -8,17 +8,10 @@ import time
 import pytest
 import torch
 
-from tritonllm.engine.api import (
-    FINISH_CANCELLED,
-    FINISH_EOS,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    EngineConfig,
-    GenerationRequest,
-    SamplingParams,
-)
+from tritonllm.engine.api import EngineConfig, GenerationRequest, SamplingParams
 from tritonllm.engine.portable import PortableEngine
 from tritonllm.errors import EngineFailure
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tritonllm.engine.api import (
-    FINISH_CANCELLED,
-    FINISH_ERROR,
-    FINISH_LENGTH,
-    Emission,
-    EngineConfig,
-    GenerationRequest,
-    SamplingParams,
-)
+from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, SamplingParams
 from tritonllm.engine.portable import PortableEngine
 from tritonllm.engine.process import EngineProcess, EngineProcessError
-from tritonllm.protocol import MAX_WORD_SEQUENCES
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, MAX_WORD_SEQUENCES
 
 
 def small(manifest) -> EngineConfig:
