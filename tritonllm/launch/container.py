@@ -15,7 +15,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 from tritonllm.build import builder
-from tritonllm.launch.tritonserver import CONTAINER_BINARY, CONTAINER_PORTS, probe_engine, server_command
+from tritonllm.launch.tritonserver import CONTAINER_BINARY, probe_engine, server_command
+from tritonllm.protocol import PORTS
 from tritonllm.trtllm.engine_dir import check_version, read_engine
 
 
@@ -43,7 +44,7 @@ def launch(build_dir: Path, exit_timeout: int) -> None:
         CONTAINER_BINARY,
         build_dir / "model_repository",
         address="0.0.0.0",
-        ports=CONTAINER_PORTS,
+        ports=PORTS,
         build_options=manifest.get("server_options", []),
         admin_key=os.environ.get("TRITONLLM_ADMIN_KEY"),
         exit_timeout=exit_timeout,
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     start.add_argument("build_dir", type=Path)
     start.add_argument("--exit-timeout", type=int, default=60)
     probe = commands.add_parser("probe", help="exit 0 when the engine answers")
-    probe.add_argument("grpc_url", nargs="?", default=f"127.0.0.1:{CONTAINER_PORTS['grpc']}")
+    probe.add_argument("grpc_url", nargs="?", default=f"127.0.0.1:{PORTS['grpc']}")
     args = parser.parse_args(argv)
     if args.command == "build-once":
         build_args = args.build_args[1:] if args.build_args[:1] == ["--"] else args.build_args

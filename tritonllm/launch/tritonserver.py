@@ -27,8 +27,8 @@ from pathlib import Path
 from tritonllm.errors import TritonLLMError
 from tritonllm.protocol import ENGINE_MODEL, PORTS, infer_inputs, stop_request_tensors
 
-CONTAINER_BINARY = "/opt/tritonserver/bin/tritonserver"  # in NVIDIA's images
-CONTAINER_PORTS = PORTS  # inside the image the server listens on the default ports; docker publishes them
+# In NVIDIA's images; there the server listens on the default ports (PORTS), which `docker run` publishes.
+CONTAINER_BINARY = "/opt/tritonserver/bin/tritonserver"
 
 
 class ServerError(TritonLLMError, RuntimeError):

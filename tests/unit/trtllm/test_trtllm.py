@@ -24,10 +24,10 @@ from tritonllm.launch.serve_trtllm import load_build
 from tritonllm.launch.tritonserver import (
     ADMIN_HEADER,
     CONTAINER_BINARY,
-    CONTAINER_PORTS,
     RESTRICTED_APIS,
     server_command,
 )
+from tritonllm.protocol import PORTS
 from tritonllm.trtllm import docker
 from tritonllm.trtllm.engine_build import TrtllmApi, TrtllmBuildError, TrtllmBuildOptions, build_engine
 from tritonllm.trtllm.engine_dir import EngineError, check_version, read_engine
@@ -462,7 +462,7 @@ def test_docker_run_command():
 
 def launch_command(world_size: int, **options) -> list[str]:
     return server_command(
-        CONTAINER_BINARY, Path("/repo"), address="0.0.0.0", ports=CONTAINER_PORTS, world_size=world_size, **options
+        CONTAINER_BINARY, Path("/repo"), address="0.0.0.0", ports=PORTS, world_size=world_size, **options
     )
 
 
