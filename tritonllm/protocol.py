@@ -35,38 +35,77 @@ MAX_WORD_BYTES = 256  # bytes per stop or bad word
 # takes twice as many sequences as a client may send words.
 MAX_WORD_SEQUENCES = 2 * MAX_WORDS
 
+MAX_TOP_LOG_PROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit)
+# TensorRT-LLM's guided decoding types (its `guided_decoding_guide_type` values), which both engines take.
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+
 Tensors = list[tuple[str, np.ndarray, str]]  # (name, value, Triton datatype)
+
+
+# The ensemble's (and tensorrt_llm_bls's) optional one-value inputs: name -> (numpy type, Triton datatype). The
+# names are NVIDIA's reference ensemble's, except the additions apply_chat_template and num_top_log_probs.
+SCALAR_INPUTS: dict[str, tuple[type, str]] = {
+    "temperature": (np.float32, "FP32"),
+    "top_k": (np.int32, "INT32"),
+    "top_p": (np.float32, "FP32"),
+    "seed": (np.uint64, "UINT64"),
+    "repetition_penalty": (np.float32, "FP32"),
+    "presence_penalty": (np.float32, "FP32"),
+    "frequency_penalty": (np.float32, "FP32"),
+    "length_penalty": (np.float32, "FP32"),
+    "min_tokens": (np.int32, "INT32"),
+    "beam_width": (np.int32, "INT32"),
+    "end_id": (np.int32, "INT32"),
+    "pad_id": (np.int32, "INT32"),
+    "return_log_probs": (bool, "BOOL"),
+    "num_top_log_probs": (np.int32, "INT32"),
+    "exclude_input_in_output": (bool, "BOOL"),
+    "return_num_input_tokens": (bool, "BOOL"),
+    "return_num_output_tokens": (bool, "BOOL"),
+    "stream": (bool, "BOOL"),
+    "guided_decoding_guide_type": (object, "BYTES"),
+    "guided_decoding_guide": (object, "BYTES"),
+}
 
 
 def request_tensors(
     prompt: str,
     max_tokens: int,
     *,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
     stop: Sequence[str] = (),
     bad_words: Sequence[str] = (),
     chat: bool = True,
+    embedding_bias: dict[str, float] | None = None,
+    logit_bias: dict[int, float] | None = None,
+    **scalars,
 ) -> Tensors:
-    """The ensemble's (and tensorrt_llm_bls's) inputs for one prompt; optional ones only when given."""
+    """The ensemble's (and tensorrt_llm_bls's) inputs for one prompt; optional ones only when given (not None).
+
+    `scalars` are SCALAR_INPUTS by name; `embedding_bias` maps words to a bias (embedding_bias_words /
+    embedding_bias_weights), `logit_bias` token ids to one (logit_bias_token_ids / logit_bias_weights)."""
     tensors = [
         ("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
         ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
         ("apply_chat_template", np.array([[chat]], dtype=bool), "BOOL"),
     ]
-    for name, value, dtype, datatype in (
-        ("temperature", temperature, np.float32, "FP32"),
-        ("top_k", top_k, np.int32, "INT32"),
-        ("top_p", top_p, np.float32, "FP32"),
-        ("seed", seed, np.uint64, "UINT64"),
-    ):
-        if value is not None:
-            tensors.append((name, np.array([[value]], dtype=dtype), datatype))
+    for name, value in scalars.items():
+        if name not in SCALAR_INPUTS:
+            raise TypeError(f"request_tensors: unknown input {name!r}")
+        if value is None:
+            continue
+        dtype, datatype = SCALAR_INPUTS[name]
+        tensors.append((name, np.array([[value.encode() if isinstance(value, str) else value]], dtype=dtype), datatype))
     for name, words in (("stop_words", stop), ("bad_words", bad_words)):
         if words:
             tensors.append((name, np.array([[w.encode() for w in words]], dtype=object), "BYTES"))
+    if embedding_bias:
+        tensors.append(
+            ("embedding_bias_words", np.array([[w.encode() for w in embedding_bias]], dtype=object), "BYTES")
+        )
+        tensors.append(("embedding_bias_weights", np.array([list(embedding_bias.values())], dtype=np.float32), "FP32"))
+    if logit_bias:
+        tensors.append(("logit_bias_token_ids", np.array([list(logit_bias)], dtype=np.int32), "INT32"))
+        tensors.append(("logit_bias_weights", np.array([list(logit_bias.values())], dtype=np.float32), "FP32"))
     return tensors
 
 

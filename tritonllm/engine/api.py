@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
 from tritonllm.errors import ConfigError
 from tritonllm.options import option
-from tritonllm.protocol import MAX_WORD_SEQUENCES
+from tritonllm.protocol import GUIDE_TYPES, MAX_TOP_LOG_PROBS, MAX_WORD_SEQUENCES
 
 AUTO_DEVICES = ("auto", "cpu", "cuda")
 
@@ -42,6 +42,35 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """TensorRT-LLM's per-request penalties; the defaults leave the logits as they are.
+
+    repetition: transformers' RepetitionPenaltyLogitsProcessor over the prompt and the generated tokens (a
+    seen token's logit is divided by it when positive, multiplied when negative). presence / frequency:
+    OpenAI's formula over the generated tokens (logit -= presence * [count > 0] + frequency * count).
+    min_tokens: the end id is banned until this many tokens are generated (MinNewTokensLengthLogitsProcessor).
+    """
+
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    min_tokens: int = 0
+
+    @property
+    def neutral(self) -> bool:
+        return self == Penalties()
+
+
+@dataclass(frozen=True)
+class Guide:
+    """Guided decoding, as TensorRT-LLM's `guided_decoding_guide_type` / `guided_decoding_guide` say it: `type`
+    is one of GUIDE_TYPES; `text` is the JSON schema, regular expression or EBNF grammar ("" for any JSON)."""
+
+    type: str
+    text: str = ""
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     input_ids: list[int]
     max_new_tokens: int
@@ -50,6 +79,21 @@ class GenerationRequest:
     stop_words: tuple[tuple[int, ...], ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
     streaming: bool = False
+    penalties: Penalties = Penalties()
+    # (token id, value added to its logit), -inf allowed: TensorRT-LLM's embedding_bias, sparse.
+    embedding_bias: tuple[tuple[int, float], ...] = ()
+    # -1: no log probabilities; 0: the chosen token's; k > 0: also the k most likely tokens'. Of the model's own
+    # distribution (log_softmax of its logits, before penalties, bias, temperature or a grammar), as vLLM's default.
+    log_probs: int = -1
+    guide: Guide | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogProbs:
+    """The log probability of a generated token and, when asked for, the most likely tokens' (most likely first)."""
+
+    log_prob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -64,6 +108,7 @@ class Emission:
     token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    log_probs: list[TokenLogProbs] | None = None  # one per token of `token_ids` when the request asked
     # On final emissions: seconds from submission to the first generated token, and the mean
     # seconds per token after it (None when unknown: no or one token).
     time_to_first_token: float | None = None
@@ -78,7 +123,10 @@ class Emission:
         """One emission for a streaming request's two consecutive ones; None when they cannot be one."""
         if earlier.final or earlier.error or later.error:
             return None
-        return dataclasses.replace(later, token_ids=earlier.token_ids + later.token_ids)
+        log_probs = None
+        if earlier.log_probs is not None or later.log_probs is not None:
+            log_probs = (earlier.log_probs or []) + (later.log_probs or [])
+        return dataclasses.replace(later, token_ids=earlier.token_ids + later.token_ids, log_probs=log_probs)
 
 
 ENGINE_CONFIG_FILE = "engine.json"  # beside the engine model: tensorrt_llm/1/engine.json, as the build writes it
@@ -206,3 +254,7 @@ def check_request(request: GenerationRequest) -> None:
     """What an engine's `submit` refuses (ValueError) rather than queues."""
     if len(request.bad_words) > MAX_WORD_SEQUENCES:
         raise ValueError(f"{len(request.bad_words)} bad words, more than the limit of {MAX_WORD_SEQUENCES}")
+    if request.log_probs > MAX_TOP_LOG_PROBS:
+        raise ValueError(f"{request.log_probs} top log probabilities, more than the limit of {MAX_TOP_LOG_PROBS}")
+    if request.guide is not None and request.guide.type not in GUIDE_TYPES:
+        raise ValueError(f"guide type {request.guide.type!r} is not one of {', '.join(GUIDE_TYPES)}")
