@@ -43,6 +43,7 @@ class BuildPlan:
     engine_values: dict[str, str] = field(default_factory=dict)  # the flavor's own template values
     engine_config: EngineConfig | None = None  # the portable engine's, written beside it as engine.json
     details: dict = field(default_factory=dict)  # what else the manifest records (the TensorRT-LLM engine's)
+    files: dict[str, str] = field(default_factory=dict)  # path in the repository -> text, written with it
 
     @property
     def queue_size(self) -> int:
@@ -130,6 +131,12 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
 def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> BuildPlan:
     """Triton values from the engine's own config.json (and the tokenizer folder)."""
     from tritonllm.trtllm.engine_dir import check_batch_size, read_engine
+    from tritonllm.trtllm.guided_decoding import (
+        TOKENIZER_INFO_IN_REPOSITORY,
+        GuidedDecodingError,
+        guided_decoding_values,
+        tokenizer_info_json,
+    )
 
     if not any(model_dir.glob("tokenizer*")):
         raise BuildError(
@@ -142,6 +149,11 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
         raise BuildError(
             f"--kv-cache-free-gpu-mem-fraction must be in (0, 1], got {args.kv_cache_free_gpu_mem_fraction}"
         )
+    try:  # the C++ backend's grammar engine reads the tokenizer from a file the build writes
+        tokenizer_info = tokenizer_info_json(model_dir, info.vocab_size)
+    except GuidedDecodingError as exc:
+        raise BuildError(f"guided decoding: {exc}") from None
+    repository = Path(getattr(args, "build_dir", "build")) / "model_repository"
     return BuildPlan(
         engine="trtllm",
         model_dir=str(model_dir),
@@ -156,6 +168,7 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
             "max_beam_width": str(info.max_beam_width),
             "kv_cache_free_gpu_mem_fraction": str(args.kv_cache_free_gpu_mem_fraction),
             "enable_kv_cache_reuse": "true",
+            **guided_decoding_values(repository),
         },
         details={
             "engine_dir": str(engine_dir),
@@ -166,6 +179,7 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
             "kv_cache_quant_algo": info.kv_cache_quant_algo,
             "engine_max_batch_size": info.max_batch_size,
         },
+        files={TOKENIZER_INFO_IN_REPOSITORY: tokenizer_info},
     )
 
 
@@ -304,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.engine_only:
                 return 0
             plan = plan_trtllm(model_dir, engine_dir, args)
-        files = {}
+        files = dict(plan.files)
         if plan.engine_config is not None:
             files[f"tensorrt_llm/1/{ENGINE_CONFIG_FILE}"] = json.dumps(asdict(plan.engine_config), indent=2) + "\n"
         models = write_repository(
@@ -314,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"build_engines.py: {exc}", file=sys.stderr)
         return 2
     manifest = {
-        **{k: v for k, v in asdict(plan).items() if k not in ("engine_values", "details")},
+        **{k: v for k, v in asdict(plan).items() if k not in ("engine_values", "details", "files")},
         **plan.details,
         "tokenizer_dir": plan.model_dir,
         "server_options": plan.server_options(),

@@ -17,8 +17,10 @@ import pytest
 
 from tests.conftest import ROOT
 from tritonllm import versions
+from tritonllm.backend.model_config import parse_config
 from tritonllm.build.builder import BuildError, plan_trtllm
-from tritonllm.build.repository import render_configs, write_repository
+from tritonllm.build.builder import main as builder_main
+from tritonllm.build.repository import TEMPLATES, read_config, render_configs, write_repository
 from tritonllm.launch import container, serve_trtllm
 from tritonllm.launch.serve_trtllm import load_build
 from tritonllm.launch.tritonserver import (
@@ -197,8 +199,33 @@ def test_rendered_trtllm_config_has_every_parameter_the_backend_requires(engine_
     configs = render_configs(trtllm_values(engine_dir, tokenizer_dir), flavor="trtllm")
     params = configs["tensorrt_llm"][1].parameters
     assert [p for p in UNGUARDED_TRTLLM_PARAMETERS if p not in params] == []
-    # Empty strings are "unset" to getGuidedDecodingConfigFromParams: guided decoding stays off.
-    assert {params[p].string_value for p in UNGUARDED_TRTLLM_PARAMETERS[2:]} == {""}
+
+
+def test_rendered_trtllm_config_turns_guided_decoding_on(engine_dir, tokenizer_dir, tmp_path):
+    """What getGuidedDecodingConfigFromParams needs: backend "xgrammar" and an existing tokenizer-info file."""
+    build_dir = tmp_path / "build"
+    values = trtllm_values(engine_dir, tokenizer_dir, build_dir=build_dir)
+    config = render_configs(values, flavor="trtllm")["tensorrt_llm"][1]
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["guided_decoding_backend"] == "xgrammar"  # the only backend the C++ runtime takes
+    path = Path(params["xgrammar_tokenizer_info_path"])
+    assert path.is_absolute(), "the backend opens it relative to tritonserver's working folder otherwise"
+    assert path == (build_dir / "model_repository" / "tensorrt_llm" / "1" / "xgrammar_tokenizer_info.json").resolve()
+    assert params["tokenizer_dir"] == "", "read but ignored by the C++ backend; set, it only logs that it is ignored"
+    assert params["normalize_log_probs"] == "true"
+
+
+def test_the_build_writes_the_tokenizer_info_where_the_config_points(engine_dir, tokenizer_dir, tmp_path):
+    build_dir = tmp_path / "build"
+    options = ["--engine-dir", str(engine_dir), "--model", str(tokenizer_dir), "--build-dir", str(build_dir)]
+    assert builder_main(["--engine", "trtllm", *options]) == 0
+    config = read_config(build_dir / "model_repository" / "tensorrt_llm" / "config.pbtxt")
+    path = Path(config.parameters["xgrammar_tokenizer_info_path"].string_value)
+    assert path.is_file()
+    info = json.loads(path.read_text())
+    assert set(info) == {"encoded_vocab", "tokenizer_str", "stop_token_ids"}
+    manifest = json.loads((build_dir / "manifest.json").read_text())
+    assert "files" not in manifest and "encoded_vocab" not in json.dumps(manifest)
 
 
 def test_client_facing_io_is_identical_in_both_flavors(engine_dir, tokenizer_dir):
@@ -211,8 +238,20 @@ def test_client_facing_io_is_identical_in_both_flavors(engine_dir, tokenizer_dir
         assert list(trt[name].input) == list(portable[name].input)
         assert list(trt[name].output) == list(portable[name].output)
     assert trt["ensemble"].ensemble_scheduling == portable["ensemble"].ensemble_scheduling
-    assert list(trt["tensorrt_llm"].input) == list(portable["tensorrt_llm"].input)
-    assert list(trt["tensorrt_llm"].output) == list(portable["tensorrt_llm"].output)
+    # tensorrt_llm: the shared tensors (_shared/tensorrt_llm_io.pbtxt); the portable engine's additions
+    # (_shared/portable_engine_io.pbtxt, e.g. top log probs) are not declared by the C++ backend's model.
+    additions = portable_only_tensors()
+    assert list(trt["tensorrt_llm"].input) == [t for t in portable["tensorrt_llm"].input if t.name not in additions]
+    assert list(trt["tensorrt_llm"].output) == [t for t in portable["tensorrt_llm"].output if t.name not in additions]
+    assert not additions & {t.name for t in [*trt["tensorrt_llm"].input, *trt["tensorrt_llm"].output]}
+
+
+def portable_only_tensors() -> set[str]:
+    fragment = TEMPLATES / "_shared" / "portable_engine_io.pbtxt"
+    if not fragment.is_file():
+        return set()
+    config = parse_config(f'name: "x"\n{fragment.read_text()}', str(fragment))
+    return {t.name for t in [*config.input, *config.output]}
 
 
 def test_triton_batch_size_cannot_exceed_the_engines(engine_dir, tokenizer_dir):
