@@ -29,8 +29,9 @@ from tritonllm.openai.models import APIError, ChatRequest, CompletionRequest, Se
 from tritonllm.protocol import OPENAI_PORT, PORTS
 
 
-def create_app(settings: Settings) -> FastAPI:
-    generator = Generator(settings)
+def create_app(settings: Settings, generator: Generator | None = None) -> FastAPI:
+    """The app; `generator` replaces the one made from `settings` (tests give one with a stand-in Triton)."""
+    generator = generator or Generator(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -51,6 +52,8 @@ def create_app(settings: Settings) -> FastAPI:
         where = [str(p) for p in first.get("loc", ())[1:]] if first.get("type") != "json_invalid" else []
         param = where[0] if where else None
         message = f"{'.'.join(where) or 'body'}: {first.get('msg')}"
+        if first.get("type") == "extra_forbidden":  # OpenAI's wording for a parameter it does not know
+            message = f"Unrecognized request argument supplied: {'.'.join(where)}"
         return APIError(ErrorKind.INVALID_INPUT, message, param=param).response()
 
     @app.middleware("http")

@@ -1,7 +1,7 @@
 """Generation through Triton for the OpenAI layer: one gRPC stream to `tensorrt_llm_bls` per choice.
 
-No model is loaded here, only the tokenizer: for the chat template, and to count a prompt's tokens as
-the preprocessing model does.
+No model is loaded here, only the tokenizer: for the chat template, to count a prompt's tokens as the
+preprocessing model does, and to write log probabilities' tokens as text.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import TypeVar
 
 import grpc
-import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from tritonllm.errors import ErrorKind
 from tritonllm.openai.errors import triton_error
+from tritonllm.openai.logprobs import TokenTexts
 from tritonllm.openai.models import FINISH_REASONS, APIError, Generation, SamplingRequest, Settings
+from tritonllm.openai.tools import hermes_messages, template_renders_tools
 from tritonllm.protocol import infer_inputs, request_tensors
 
 T = TypeVar("T")
@@ -35,6 +36,8 @@ class Generator:
         self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
         bos = tokenizer.bos_token_id
         self._adds_bos = bool(bos is not None and tokenizer("x")["input_ids"][:1] == [bos])
+        self.vocab_size = len(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)
         self._client: grpcaio.InferenceServerClient | None = None
 
     @property
@@ -53,9 +56,18 @@ class Generator:
         except InferenceServerException as exc:
             raise triton_error(exc) from None
 
-    def chat_prompt(self, messages: list[dict]) -> str:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The conversation through the chat template; tools, tool calls and tool results through the
+        template's own tool support when it has one, else written in the Hermes format (tools.py)."""
         tokenizer = self.tokenizer
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if template_renders_tools(tokenizer.chat_template):
+            prompt = tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=True
+            )
+        else:
+            prompt = tokenizer.apply_chat_template(
+                hermes_messages(messages, tools or []), tokenize=False, add_generation_prompt=True
+            )
         # Preprocessing adds the tokenizer's special tokens: a template that writes BOS itself would double it.
         if self._adds_bos and prompt.startswith(tokenizer.bos_token):
             prompt = prompt[len(tokenizer.bos_token) :]
@@ -90,12 +102,7 @@ class Generator:
         self, prompt: str, body: SamplingRequest, max_tokens: int, index: int
     ) -> AsyncIterator[Generation]:
         """Stream one choice from Triton: deltas (finish_reason None), then a final Generation."""
-        seed = None if body.seed is None else (body.seed + index) % 2**64
-        tensors = request_tensors(
-            prompt, max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed, stop=body.stops(), chat=False
-        )
-        tensors.append(("stream", np.array([[True]]), "BOOL"))
-        inputs = infer_inputs(grpcclient, tensors)
+        inputs = infer_inputs(grpcclient, request_tensors(prompt, max_tokens, **body.inputs(index, self.vocab_size)))
 
         async def requests():
             yield {"model_name": self.settings.triton_model, "inputs": inputs, "request_id": uuid.uuid4().hex}
@@ -107,13 +114,8 @@ class Generator:
                 if error is not None:
                     finished = True  # an error ends the request
                     raise triton_error(error)
-                text = result.as_numpy("text_output")
-                generation = Generation(index, text.reshape(-1)[0].decode() if text is not None else "")
-                reason = result.as_numpy("finish_reason")
-                if reason is not None:
-                    generation.finish_reason = FINISH_REASONS.get(reason.reshape(-1)[0].decode(), "stop")
-                    generation.prompt_tokens = int(result.as_numpy("num_input_tokens").reshape(-1)[0])
-                    generation.completion_tokens = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
+                generation = response(result, index)
+                if generation.finish_reason is not None:
                     finished = True
                     yield generation
                     return
@@ -131,13 +133,10 @@ class Generator:
 
         async def one(i: int) -> Generation:
             prompt_index, choice = divmod(i, body.n)
-            text, last = [], None
+            whole = Generation(i)
             async for generation in self.generate(prompts[prompt_index], body, max_tokens[prompt_index], choice):
-                text.append(generation.text)
-                last = generation
-            last.text = "".join(text)
-            last.index = i
-            return last
+                whole.extend(generation)
+            return whole
 
         return await gather_or_cancel(one(i) for i in range(len(prompts) * body.n))
 
@@ -172,6 +171,34 @@ class Generator:
         finally:
             for task in tasks:
                 task.cancel()
+
+
+def response(result, index: int) -> Generation:
+    """One streamed response of tensorrt_llm_bls as a delta of choice `index`; the last one (with a
+    finish_reason) also says why it ended and how many tokens went in and out. Shapes are read
+    defensively: only the element counts are relied on."""
+    generation = Generation(index, scalar(result, "text_output", b"").decode())
+    ids = result.as_numpy("output_ids")
+    if ids is not None:
+        generation.tokens = ids.reshape(-1).tolist()
+        log_probs = result.as_numpy("output_log_probs")
+        generation.log_probs = log_probs.reshape(-1).tolist() if log_probs is not None else []
+        top, top_ids = result.as_numpy("top_log_probs"), result.as_numpy("top_log_prob_ids")
+        count = len(generation.tokens)
+        if top is not None and top_ids is not None and count and top.size:
+            top, top_ids = top.reshape(count, -1).tolist(), top_ids.reshape(count, -1).tolist()
+            generation.top = [list(zip(ids_, lps, strict=True)) for ids_, lps in zip(top_ids, top, strict=True)]
+    reason = scalar(result, "finish_reason")
+    if reason is not None:
+        generation.finish_reason = FINISH_REASONS.get(reason.decode(), "stop")
+        generation.prompt_tokens = int(scalar(result, "num_input_tokens", 0))
+        generation.completion_tokens = int(scalar(result, "num_output_tokens", 0))
+    return generation
+
+
+def scalar(result, name: str, default=None):
+    value = result.as_numpy(name)
+    return value.reshape(-1)[0] if value is not None and value.size else default
 
 
 async def gather_or_cancel(awaitables: Iterable[Awaitable[T]]) -> list[T]:

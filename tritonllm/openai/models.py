@@ -1,18 +1,59 @@
-"""The OpenAI API's request bodies, its error format, and what one generated choice carries."""
+"""The OpenAI API's request bodies, its error format, and what one generated choice carries.
+
+Parameter policy, as OpenAI's own API: a parameter this layer does not know is a 400 naming it (every body
+forbids extra fields), so nothing a client sends is silently ignored. Accepted are OpenAI's parameters, the
+vLLM extras this engine honours (`top_k`, `min_tokens`, `repetition_penalty`, `ignore_eos`, `bad_words`,
+`guided_json`, `guided_regex`, `guided_grammar`), and NO_OPS: parameters that by nature change nothing
+here (bookkeeping for OpenAI's platform). OpenAI parameters for features this server lacks are accepted
+only at their neutral values (UNSUPPORTED). Inside `messages`, fields other than those a message carries
+here are ignored, so that an answer's message can be sent back as it came.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from jsonschema import SchemaError
+from jsonschema.validators import validator_for
+from pydantic import BaseModel, ConfigDict, Field
 
 from tritonllm.errors import ErrorKind
-from tritonllm.protocol import MAX_WORD_BYTES, MAX_WORDS, STREAMING_MODEL
+from tritonllm.openai import tools as tooling
+from tritonllm.protocol import MAX_TOP_LOG_PROBS, MAX_WORD_BYTES, MAX_WORDS, STREAMING_MODEL
 
 FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop"}
 MAX_STOPS = min(4, MAX_WORDS)  # OpenAI's limit, within what the models take
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' `logprobs`
+MAX_LOGIT_BIAS = 300  # OpenAI's limit of biased tokens per request
+PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty: OpenAI's -2..2
+
+# Accepted and changing nothing by nature: identifiers and storage options of OpenAI's platform.
+NO_OPS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+)
+# OpenAI parameters of features this server lacks: accepted at these neutral values only, else a 400 naming them.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "moderation": (None,),
+    "prompt_cache_options": (None,),
+    "suffix": (None, ""),
+}
 
 # OpenAI's error `type` where it is not "invalid_request_error".
 OPENAI_TYPES = {
@@ -44,11 +85,33 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-class StreamOptions(BaseModel):
+def invalid(param: str, message: str) -> APIError:
+    """A client's mistake in one parameter: 400, naming it."""
+    return APIError(ErrorKind.INVALID_INPUT, f"'{param}': {message}", param=param)
+
+
+def check_schema(schema: Any, param: str) -> None:
+    """Refuse a schema that is not a JSON schema here, naming the parameter, rather than in the engine's grammar."""
+    if not isinstance(schema, dict):
+        raise invalid(param, "the schema must be a JSON object")
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        raise invalid(param, f"not a valid JSON schema: {exc.message}") from None
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no-op: this server sends no obfuscation padding
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Body):
+    """What both endpoints take; `inputs` turns it into tensorrt_llm_bls's inputs."""
+
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -58,70 +121,322 @@ class SamplingRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    # Accepted at their neutral values only: the engine cannot honour them, and silently ignoring them would mislead.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
-    tools: list | None = None
-    response_format: dict | None = None
+    presence_penalty: float | None = Field(default=None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    frequency_penalty: float | None = Field(default=None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
 
-    def check_supported(self) -> None:
+    # vLLM's extra parameters.
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    min_tokens: int = Field(default=0, ge=0)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    ignore_eos: bool = False
+    bad_words: list[str] | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+
+    # NO_OPS
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+
+    def check_supported(self, vocab_size: int) -> None:
         """Refuse, before any request is sent, what this server cannot honour or the models would refuse."""
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-            if getattr(self, name) != neutral:
-                raise APIError(ErrorKind.INVALID_INPUT, f"'{name}' is not supported by this server", param=name)
-        for name in ("logprobs", "tools"):
-            if getattr(self, name):
-                raise APIError(ErrorKind.INVALID_INPUT, f"'{name}' is not supported by this server", param=name)
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(
-                ErrorKind.INVALID_INPUT, "only response_format {'type': 'text'} is supported", param="response_format"
-            )
+        for name, neutral in UNSUPPORTED.items():
+            if name in type(self).model_fields and getattr(self, name) not in neutral:
+                raise invalid(name, "is not supported by this server")
+        self.biases(vocab_size)
         self.stops()
+        self.words()
+        self.guide()
+
+    def log_probs(self) -> int | None:
+        """None: no log probabilities; k >= 0: the chosen token's and the k most likely tokens'."""
+        return None
 
     def stops(self) -> list[str]:
         """The stop sequences, checked here: the models would refuse them too, but only once a request runs."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOPS:
-            raise APIError(ErrorKind.INVALID_INPUT, f"'stop' takes at most {MAX_STOPS} sequences", param="stop")
-        for stop in stops:
-            if len(stop.encode()) > MAX_WORD_BYTES:
-                raise APIError(
-                    ErrorKind.INVALID_INPUT,
-                    f"'stop': a sequence is {len(stop.encode())} bytes, over the limit of {MAX_WORD_BYTES}",
-                    param="stop",
-                )
+            raise invalid("stop", f"takes at most {MAX_STOPS} sequences")
+        check_words(stops, "stop")
         return stops
+
+    def words(self) -> list[str]:
+        words = list(self.bad_words or [])
+        if len(words) > MAX_WORDS:
+            raise invalid("bad_words", f"takes at most {MAX_WORDS} words")
+        check_words(words, "bad_words")
+        return words
+
+    def biases(self, vocab_size: int) -> dict[int, float]:
+        """logit_bias by token id, each id in the vocabulary and each bias in OpenAI's -100..100."""
+        biases = {}
+        if len(self.logit_bias or {}) > MAX_LOGIT_BIAS:
+            raise invalid("logit_bias", f"takes at most {MAX_LOGIT_BIAS} tokens")
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise invalid("logit_bias", f"keys are token ids, got {key!r}") from None
+            if not 0 <= token < vocab_size:
+                raise invalid("logit_bias", f"token id {token} is not in the vocabulary (0 to {vocab_size - 1})")
+            if not -100 <= bias <= 100:
+                raise invalid("logit_bias", f"the bias of token {token} is {bias}, not in -100..100")
+            biases[token] = bias
+        return biases
+
+    def guides(self) -> list[tuple[str, tuple[str, str]]]:
+        """Every guided-decoding request as (parameter, (guide type, guide)); at most one may be given."""
+        guides = []
+        if self.guided_json is not None:
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError:
+                    raise invalid("guided_json", "is not JSON") from None
+            check_schema(schema, "guided_json")
+            guides.append(("guided_json", ("json_schema", json.dumps(schema))))
+        if self.guided_regex is not None:
+            guides.append(("guided_regex", ("regex", self.guided_regex)))
+        if self.guided_grammar is not None:
+            guides.append(("guided_grammar", ("ebnf_grammar", self.guided_grammar)))
+        return guides
+
+    def guide(self) -> tuple[str, str] | None:
+        """The one guided-decoding request, as (guided_decoding_guide_type, guided_decoding_guide)."""
+        guides = self.guides()
+        if len(guides) > 1:
+            raise invalid(guides[1][0], f"cannot be combined with '{guides[0][0]}'")
+        return guides[0][1] if guides else None
+
+    def inputs(self, choice: int, vocab_size: int) -> dict[str, Any]:
+        """request_tensors' keyword arguments for choice `choice` (its seed is seed + choice)."""
+        log_probs = self.log_probs()
+        guide = self.guide()
+        return {
+            "stop": self.stops(),
+            "bad_words": self.words(),
+            "logit_bias": self.biases(vocab_size),
+            "chat": False,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k if self.top_k and self.top_k > 0 else None,
+            "seed": None if self.seed is None else (self.seed + choice) % 2**64,
+            "presence_penalty": self.presence_penalty or None,
+            "frequency_penalty": self.frequency_penalty or None,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens or None,
+            "end_id": -1 if self.ignore_eos else None,
+            "return_log_probs": True if log_probs is not None else None,
+            "num_top_log_probs": log_probs or None,
+            "guided_decoding_guide_type": guide[0] if guide else None,
+            "guided_decoding_guide": guide[1] if guide and guide[1] else None,
+            "return_num_input_tokens": True,
+            "return_num_output_tokens": True,
+            "stream": True,
+        }
+
+
+def check_words(words: list[str], param: str) -> None:
+    for word in words:
+        if len(word.encode()) > MAX_WORD_BYTES:
+            raise invalid(param, f"a sequence is {len(word.encode())} bytes, over the limit of {MAX_WORD_BYTES}")
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    def check_supported(self, vocab_size: int) -> None:
+        super().check_supported(vocab_size)
+        if self.best_of not in (None, self.n):
+            raise invalid("best_of", "is supported only equal to n (every generated choice is returned)")
+        if self.echo and self.logprobs is not None:
+            # The prompt's log probabilities would need a forward pass over it that the engines do not return.
+            raise invalid("echo", "cannot be combined with 'logprobs': prompt log probabilities are not computed")
+
+    def log_probs(self) -> int | None:
+        return self.logprobs
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    model_config = ConfigDict(extra="ignore")  # an answer's message, sent back, carries fields of no use here
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # no-op: chat templates do not render it
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""
+            raise invalid("messages", f"a '{self.role}' message needs content")
         if isinstance(self.content, str):
             return self.content
         parts = []
         for part in self.content:
             if part.get("type") != "text":
-                raise APIError(
-                    ErrorKind.INVALID_INPUT,
-                    f"only text content is supported, got a '{part.get('type')}' part",
-                    param="messages",
-                )
+                raise invalid("messages", f"only text content is supported, got a '{part.get('type')}' part")
             parts.append(part.get("text", ""))
         return "".join(parts)
+
+    def rendered(self) -> dict[str, Any]:
+        """The message as chat templates take it: developer as system, tool-call arguments as objects."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": arguments(call.function.arguments)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def arguments(text: str) -> Any:
+    """Tool-call arguments as templates render them: the JSON object, or the text when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # no-op: named and required tool calls always follow the schema
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(Body):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # no-op: the grammar always follows the schema
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOG_PROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most the first parsed tool call (auto)
+
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    prediction: dict | None = None
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    web_search_options: dict | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    moderation: dict | None = None
+    prompt_cache_options: dict | None = None
+
+    def check_supported(self, vocab_size: int) -> None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs", "needs 'logprobs': true")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise invalid("tool_choice", "needs 'tools'")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool() is None:
+            raise invalid("tool_choice", f"names the function '{self.tool_choice.function.name}', not in 'tools'")
+        for i, tool in enumerate(self.tools or []):
+            check_schema(tooling.parameters(tool.function.model_dump()), f"tools[{i}].function.parameters")
+        super().check_supported(vocab_size)
+
+    def log_probs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_mode(self) -> str:
+        """ "none" (no tools offered), "auto", "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def named_tool(self) -> dict | None:
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        name = self.tool_choice.function.name
+        return next((t.function.model_dump() for t in self.tools or [] if t.function.name == name), None)
+
+    def offered_tools(self) -> list[dict]:
+        """The tools as the prompt shows them (OpenAI's format); none when tool_choice is "none"."""
+        if self.tool_mode() == "none":
+            return []
+        return [tool.model_dump(exclude_none=True, by_alias=True) for tool in self.tools or []]
+
+    def guides(self) -> list[tuple[str, tuple[str, str]]]:
+        guides = []
+        mode = self.tool_mode()
+        if mode == "named":
+            guides.append(("tool_choice", ("json_schema", json.dumps(tooling.parameters(self.named_tool())))))
+        elif mode == "required":
+            functions = [t.function.model_dump() for t in self.tools or []]
+            guides.append(("tool_choice", ("json_schema", json.dumps(tooling.required_schema(functions)))))
+        form = self.response_format
+        if form is not None and form.type == "json_object":
+            guides.append(("response_format", ("json", "")))
+        elif form is not None and form.type == "json_schema":
+            if form.json_schema is None:
+                raise invalid("response_format", "type 'json_schema' needs 'json_schema'")
+            schema = form.json_schema.schema_
+            if schema is None:
+                guides.append(("response_format", ("json", "")))
+            else:
+                check_schema(schema, "response_format")
+                guides.append(("response_format", ("json_schema", json.dumps(schema))))
+        return guides + super().guides()
 
 
 @dataclass(frozen=True)
@@ -137,10 +452,23 @@ class Settings:
 
 @dataclass
 class Generation:
-    """One choice: its text (whole, or streamed as deltas) and, at the end, why and how long."""
+    """One choice: its text (whole, or streamed as deltas), the tokens that came with it and their log
+    probabilities when asked for, and, at the end, why and how long."""
 
     index: int
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, most likely first
+
+    def extend(self, later: Generation) -> None:
+        """Append a later delta of the same choice."""
+        self.text += later.text
+        self.tokens += later.tokens
+        self.log_probs += later.log_probs
+        self.top += later.top
+        self.finish_reason = later.finish_reason
+        self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
