@@ -453,6 +453,7 @@ async def served(
             ("text_input", np.array([[ids_text[i].encode()]], dtype=object), "BYTES"),
             ("max_tokens", np.array([[output_tokens]], np.int32), "INT32"),
             ("end_id", np.array([[-1]], np.int32), "INT32"),
+            ("return_num_output_tokens", np.array([[True]]), "BOOL"),
         ]
         if streaming:
             tensors.append(("stream", np.array([[True]]), "BOOL"))

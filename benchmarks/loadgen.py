@@ -140,7 +140,7 @@ class Targets:
     def _text_tensors(self, i: int, module, stream: bool) -> list:
         from tritonllm.protocol import request_tensors
 
-        tensors = request_tensors(self.prompts[i % len(self.prompts)], self.max_tokens)
+        tensors = request_tensors(self.prompts[i % len(self.prompts)], self.max_tokens, return_num_output_tokens=True)
         tensors.append(("end_id", np.array([[-1]], np.int32), "INT32"))
         if stream:
             tensors.append(("stream", np.array([[True]]), "BOOL"))

@@ -33,6 +33,10 @@ class GenerationError(RuntimeError):
         self.status = status
 
 
+# The token counts come back only when asked for, as from NVIDIA's ensemble.
+COUNTS = {"return_num_input_tokens": True, "return_num_output_tokens": True}
+
+
 def generate(
     prompt: str,
     max_tokens: int = 128,
@@ -48,7 +52,9 @@ def generate(
 
     with httpclient.InferenceServerClient(url, connection_timeout=timeout, network_timeout=timeout) as triton:
         try:
-            result = triton.infer(model, infer_inputs(httpclient, request_tensors(prompt, max_tokens, **options)))
+            result = triton.infer(
+                model, infer_inputs(httpclient, request_tensors(prompt, max_tokens, **{**COUNTS, **options}))
+            )
         except InferenceServerException as exc:
             raise GenerationError(exc.message(), exc.status()) from None
         except http.client.HTTPException as exc:  # e.g. the server closed the connection while stopping
@@ -86,7 +92,7 @@ def stream(
 ) -> Iterator[StreamChunk]:
     """Yield the text as it is generated, over gRPC bidirectional streaming. Closing the generator early
     cancels the request on the server. Options are those of `request_tensors`."""
-    tensors = [*request_tensors(prompt, max_tokens, **options), ("stream", np.array([[True]]), "BOOL")]
+    tensors = [*request_tensors(prompt, max_tokens, **{**COUNTS, **options}), ("stream", np.array([[True]]), "BOOL")]
     responses: queue.Queue = queue.Queue()
     triton = grpcclient.InferenceServerClient(url)
     finished = False

@@ -35,6 +35,7 @@ MAX_WORD_BYTES = 256  # bytes per stop or bad word
 # takes twice as many sequences as a client may send words.
 MAX_WORD_SEQUENCES = 2 * MAX_WORDS
 
+MAX_BIASED_TOKENS = 1024  # embedding_bias_words, and logit_bias_token_ids, per request
 MAX_TOP_LOG_PROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit)
 # TensorRT-LLM's guided decoding types (its `guided_decoding_guide_type` values), which both engines take.
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")

@@ -91,8 +91,12 @@ def test_engine_tokens_equal_generate(url, tokenizer, hf_model):
 
 def test_ensemble_finish_reasons(url):
     with httpclient.InferenceServerClient(url) as triton:
-        cut = triton.infer("ensemble", infer_inputs(httpclient, request_tensors(PROMPTS[0], 3)))
-        whole = triton.infer("ensemble", infer_inputs(httpclient, request_tensors(PROMPTS[0], 64)))
+        cut = triton.infer(
+            "ensemble", infer_inputs(httpclient, request_tensors(PROMPTS[0], 3, return_num_output_tokens=True))
+        )
+        whole = triton.infer(
+            "ensemble", infer_inputs(httpclient, request_tensors(PROMPTS[0], 64, return_num_output_tokens=True))
+        )
     assert (cut.as_numpy("finish_reason")[0, 0], cut.as_numpy("num_output_tokens")[0, 0]) == (b"length", 3)
     assert whole.as_numpy("finish_reason")[0, 0] == b"eos" and whole.as_numpy("num_output_tokens")[0, 0] < 64
 
@@ -296,7 +300,8 @@ def test_metrics_add_up_after_traffic(server, url):
     answers = []
     with httpclient.InferenceServerClient(url) as triton:
         for n in lengths:
-            inputs = [_tensor(name, value, dt) for name, value, dt in request_tensors("Count to ten.", n)]
+            tensors = request_tensors("Count to ten.", n, return_num_input_tokens=True)
+            inputs = [_tensor(name, value, dt) for name, value, dt in tensors]
             inputs.append(_tensor("end_id", np.array([[-1]], np.int32), "INT32"))
             answers.append(triton.infer("ensemble", inputs))
         bad = [  # refused by the engine itself (a token id outside the vocabulary): an engine-level error

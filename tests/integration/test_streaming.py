@@ -143,7 +143,16 @@ def sse_events(url: str, body: dict) -> list[dict]:
 def test_http_generate_stream(urls):
     http_url, _ = urls
     prompt = PROMPTS["chinese"]
-    events = sse_events(http_url, {"text_input": prompt, "max_tokens": 32, "apply_chat_template": True, "stream": True})
+    events = sse_events(
+        http_url,
+        {
+            "text_input": prompt,
+            "max_tokens": 32,
+            "apply_chat_template": True,
+            "stream": True,
+            "return_num_output_tokens": True,
+        },
+    )
     assert all("error" not in e for e in events)
     deltas = [e["text_output"] for e in events]
     check_deltas(deltas)
@@ -158,7 +167,9 @@ def test_stream_false_answers_once(urls):
     request = urllib.request.Request(
         f"http://{http_url}/v2/models/tensorrt_llm_bls/generate",
         method="POST",
-        data=json.dumps({"text_input": prompt, "max_tokens": 24, "apply_chat_template": True}).encode(),
+        data=json.dumps(
+            {"text_input": prompt, "max_tokens": 24, "apply_chat_template": True, "return_num_output_tokens": True}
+        ).encode(),
     )
     with urllib.request.urlopen(request, timeout=300) as response:
         answer = json.loads(response.read())

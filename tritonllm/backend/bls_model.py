@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from tritonllm.backend.engine_io import log_probs_wanted
 from tritonllm.backend.model_config import read_config
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.text_models import preprocessor
@@ -64,12 +65,57 @@ class _Request:
     engine_id: str | None = None  # its engine request's id, once being sent: the key of its `stop` request
     stopped: bool = False  # the sender thread sent a `stop` request for it
     answered: bool = False  # the engine answered it once: its worker stops it at the next response
+    log_probs: int = -1  # as the engine's GenerationRequest.log_probs: -1 none, k the top k too
     iterators: list = field(default_factory=list)  # its BLS response iterators, kept until settled
 
 
+@dataclass
+class _Delta:
+    """What a streamed response carries: new text and, when the request asked, its new tokens' log probs."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    top_log_probs: list[np.ndarray] = field(default_factory=list)  # one [k] row per token
+    top_ids: list[np.ndarray] = field(default_factory=list)
+
+    def extend(self, other: _Delta) -> _Delta:
+        self.text += other.text
+        self.ids += other.ids
+        self.log_probs += other.log_probs
+        self.top_log_probs += other.top_log_probs
+        self.top_ids += other.top_ids
+        return self
+
+    def tensors(self, with_log_probs: bool, top: int) -> dict[str, np.ndarray]:
+        tensors = {"text_output": np.array([[self.text.encode()]], dtype=object)}
+        if with_log_probs:
+            tensors["output_ids"] = np.array([[self.ids]], dtype=np.int32).reshape(1, 1, -1)
+            tensors["output_log_probs"] = np.array([[self.log_probs]], dtype=np.float32).reshape(1, 1, -1)
+        if top:
+            shape = (1, 1, len(self.ids), top)
+            tensors["top_log_probs"] = np.array(self.top_log_probs, dtype=np.float32).reshape(shape)
+            tensors["top_log_prob_ids"] = np.array(self.top_ids, dtype=np.int32).reshape(shape)
+        return tensors
+
+
+@dataclass
+class _Whole(_Delta):
+    """A request's whole answer (its deltas when not streaming), and the sum of its log probs."""
+
+    cum_log_prob: float = 0.0
+
+
+def _output(response, name: str) -> np.ndarray:
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    if tensor is None:
+        raise RuntimeError(f"the engine's response has no {name}")
+    return tensor.as_numpy()
+
+
 def _join_deltas(earlier, later):
-    """Consecutive text deltas merge; a final response stays apart."""
-    return earlier + later if isinstance(earlier, str) and isinstance(later, str) else None
+    """Consecutive deltas merge; a final response stays apart."""
+    return earlier.extend(later) if isinstance(earlier, _Delta) and isinstance(later, _Delta) else None
 
 
 class StreamingModel:
@@ -119,9 +165,9 @@ class StreamingModel:
 
     def _send(self, state: _Request, item) -> None:
         """A text delta, or the final response (a text delta is never sent after it)."""
-        if isinstance(item, str):
-            tensor = pb_utils.Tensor("text_output", np.array([[item.encode()]], dtype=object))
-            state.sender.send(pb_utils.InferenceResponse([tensor]))
+        if isinstance(item, _Delta):
+            tensors = item.tensors(state.log_probs >= 0, max(state.log_probs, 0))
+            state.sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in tensors.items()]))
             return
         self._live.pop(id(state), None)
         if state.cancelled:  # the stub answers it without a round trip now: wait for another's
@@ -153,23 +199,29 @@ class StreamingModel:
     def _generate(self, arrays: dict[str, np.ndarray], state: _Request) -> None:
         try:
             streaming = bool(scalar(arrays, "stream", 0))
+            state.log_probs = log_probs_wanted(arrays, 0)
             tensors = dict(arrays)
             tensors.update(self._preprocess(arrays))
             stops = (
                 [as_text(v, "stop_words") for v in arrays["stop_words"].reshape(-1)] if "stop_words" in arrays else []
             )
             stream = TextStream(self.detokenizer, stops)
-            text = self._run_engine(tensors, stream, state, streaming)
-            text += stream.finish()
+            whole = self._run_engine(tensors, stream, state, streaming)
+            whole.text += stream.finish()
+            if not streaming and scalar(arrays, "exclude_input_in_output", 0) is False:
+                prompt = tensors["_INPUT_ID"].reshape(-1)[: int(tensors["_REQUEST_INPUT_LEN"].reshape(-1)[0])]
+                whole.text = self.detokenizer.decode(prompt.tolist()) + whole.text
             max_tokens = int(scalar(arrays, "max_tokens", 0))
-            final = {
-                "text_output": np.array([[text.encode()]], dtype=object),
-                "finish_reason": np.array(
-                    [[finish_reason(stream.stopped, stream.num_tokens, max_tokens).encode()]], dtype=object
-                ),
-                "num_input_tokens": tensors["num_input_tokens"].reshape(1, 1).astype(np.int32),
-                "num_output_tokens": np.array([[stream.num_tokens]], dtype=np.int32),
-            }
+            final = whole.tensors(not streaming and state.log_probs >= 0, 0 if streaming else max(state.log_probs, 0))
+            final["finish_reason"] = np.array(
+                [[finish_reason(stream.stopped, stream.num_tokens, max_tokens).encode()]], dtype=object
+            )
+            if scalar(arrays, "return_num_input_tokens", 0):
+                final["num_input_tokens"] = tensors["_REQUEST_INPUT_LEN"].reshape(1, 1).astype(np.int32)
+            if scalar(arrays, "return_num_output_tokens", 0):
+                final["num_output_tokens"] = np.array([[stream.num_tokens]], dtype=np.int32)
+            if state.log_probs >= 0:
+                final["cum_log_probs"] = np.array([[whole.cum_log_prob]], dtype=np.float32)
             response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in final.items()])
         except _Cancelled:
             response = pb_utils.InferenceResponse(
@@ -188,19 +240,23 @@ class StreamingModel:
             raise result
         return {step.output_map[name]: array for name, array in result.items() if name in step.output_map}
 
-    def _run_engine(self, tensors: dict[str, np.ndarray], stream: TextStream, state: _Request, streaming: bool) -> str:
-        """Stream the engine's tokens through `stream`; queue the deltas when `streaming`, else return the text."""
+    def _run_engine(
+        self, tensors: dict[str, np.ndarray], stream: TextStream, state: _Request, streaming: bool
+    ) -> _Whole:
+        """Stream the engine's tokens through `stream`; queue the deltas when `streaming`, else collect them."""
         step = self.engine_step
         inputs = [pb_utils.Tensor(key, tensors[name]) for key, name in step.input_map.items() if name in tensors]
         inputs.append(pb_utils.Tensor("streaming", np.array([[True]])))
         request_id = str(next(self._ids))
+        outputs = ["output_ids", "sequence_length"]
+        if state.log_probs >= 0:
+            outputs.append("output_log_probs")
+        if state.log_probs > 0:
+            outputs += ["top_log_probs", "top_log_prob_ids"]
         request = pb_utils.InferenceRequest(
-            model_name=self.engine_model,
-            inputs=inputs,
-            requested_output_names=["output_ids", "sequence_length"],
-            request_id=request_id,
+            model_name=self.engine_model, inputs=inputs, requested_output_names=outputs, request_id=request_id
         )
-        collected: list[str] = []
+        whole = _Whole()
         stopping = False
         state.engine_id = request_id  # before the call: it returns with the engine's first response only
         for response in exec_decoupled(request, state.iterators):
@@ -214,17 +270,26 @@ class StreamingModel:
             output = pb_utils.get_output_tensor_by_name(response, "output_ids")
             if output is not None:
                 length = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
-                delta = stream.push(output.as_numpy().reshape(-1)[:length].tolist())
-                if delta and streaming:
+                ids = output.as_numpy().reshape(-1)[:length].tolist()
+                delta = _Delta(stream.push(ids))
+                if state.log_probs >= 0:
+                    delta.ids = ids
+                    delta.log_probs = _output(response, "output_log_probs").reshape(-1)[:length].tolist()
+                    whole.cum_log_prob += sum(delta.log_probs)
+                if state.log_probs > 0:
+                    k = state.log_probs
+                    delta.top_log_probs = list(_output(response, "top_log_probs").reshape(-1, k)[:length])
+                    delta.top_ids = list(_output(response, "top_log_prob_ids").reshape(-1, k)[:length])
+                if streaming and (delta.text or delta.ids):
                     self.outbox.put(state, delta)
-                elif delta:
-                    collected.append(delta)
+                elif not streaming:
+                    whole.extend(delta)
             if stream.stopped or state.cancelled:  # sent even if the sender thread did: its stop may have come first
                 self._stop_engine(state)
                 stopping = True
         if state.cancelled:
             raise _Cancelled
-        return "".join(collected)
+        return whole
 
     def _stop_engine(self, state: _Request) -> None:
         """TensorRT-LLM's way to end a request early: a request with the same id and `stop` set."""

@@ -1,22 +1,23 @@
 """The `tensorrt_llm` model's tensors <-> engine requests, with TensorRT-LLM's names and shapes.
 
-The portable engine answers the same inputs as the `tensorrtllm` backend (input_ids,
-input_lengths, request_output_len, end_id, pad_id, stop/bad word lists, runtime_top_k,
-runtime_top_p, temperature, seed, streaming, exclude_input_in_output) with the same outputs
-(output_ids [batch, beam, tokens], sequence_length [batch, beam]), so either engine drops into
-the same ensemble.
+The portable engine answers the same inputs as the `tensorrtllm` backend (model_repository/_shared/
+tensorrt_llm_io.pbtxt) with the same outputs (output_ids [batch, beam, tokens], sequence_length
+[batch, beam], and when asked log probs and token counts), so either engine drops into the same ensemble.
+It generates one beam: beam_width above 1 is refused, and len_penalty, which only scores beams, changes
+nothing, as in TensorRT-LLM with one beam.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
-from tritonllm.engine.api import GenerationRequest, SamplingParams
+from tritonllm.engine.api import GenerationRequest, Guide, Penalties, SamplingParams, TokenLogProbs
 from tritonllm.errors import InputError
-from tritonllm.protocol import MAX_WORD_SEQUENCES
-from tritonllm.text.tokenization import Limits, check_sampling, parse_word_list, scalar
+from tritonllm.protocol import GUIDE_TYPES, MAX_TOP_LOG_PROBS, MAX_WORD_SEQUENCES
+from tritonllm.text.tokenization import Limits, as_text, check_sampling, parse_word_list, scalar
 
 
 def sampling_params(temperature, top_k, top_p, seed) -> SamplingParams:
@@ -82,9 +83,74 @@ def parse_requests(arrays: dict[str, np.ndarray], limits: Limits) -> list[Genera
                 stop_words=_row_words(arrays, "stop_words_list", row, limits),
                 bad_words=_row_words(arrays, "bad_words_list", row, limits),
                 streaming=streaming,
+                penalties=penalties(arrays, row),
+                embedding_bias=_embedding_bias(arrays, row, limits),
+                log_probs=log_probs_wanted(arrays, row),
+                guide=guide(arrays, row),
             )
         )
     return requests
+
+
+def penalties(arrays: dict[str, np.ndarray], row: int) -> Penalties:
+    beam_width = scalar(arrays, "beam_width", row)
+    if beam_width is not None and beam_width != 1:
+        raise InputError("beam_width", f"the portable engine generates one beam: it must be 1, got {beam_width}")
+    repetition = scalar(arrays, "repetition_penalty", row)
+    if repetition is not None and not (math.isfinite(repetition) and repetition > 0):
+        raise InputError("repetition_penalty", f"must be a finite number > 0 (1 = none), got {repetition}")
+    values = {"repetition": 1.0 if repetition is None else float(repetition)}
+    for name, key in (("presence_penalty", "presence"), ("frequency_penalty", "frequency")):
+        value = scalar(arrays, name, row)
+        if value is not None and not math.isfinite(value):
+            raise InputError(name, f"must be a finite number (0 = none), got {value}")
+        values[key] = 0.0 if value is None else float(value)
+    min_tokens = scalar(arrays, "min_tokens", row)
+    if min_tokens is not None and min_tokens < 0:
+        raise InputError("min_tokens", f"must be >= 0, got {min_tokens}")
+    return Penalties(**values, min_tokens=int(min_tokens or 0))
+
+
+def _embedding_bias(arrays: dict[str, np.ndarray], row: int, limits: Limits) -> tuple[tuple[int, float], ...]:
+    """TensorRT-LLM's dense [vocab] embedding_bias as the engine's sparse (token, bias) pairs; empty = none."""
+    array = arrays.get("embedding_bias")
+    if array is None or array.size == 0:
+        return ()
+    rows = array.reshape(array.shape[0], -1)
+    bias = rows[row % rows.shape[0]]
+    if bias.shape[0] != limits.vocab_size:
+        raise InputError(
+            "embedding_bias", f"must hold {limits.vocab_size} values (the vocabulary), got {bias.shape[0]}"
+        )
+    if np.isnan(bias).any() or np.isposinf(bias).any():
+        raise InputError("embedding_bias", "must hold finite numbers or -inf (a ban)")
+    tokens = np.flatnonzero(bias)
+    return tuple(zip(tokens.tolist(), bias[tokens].tolist(), strict=True))
+
+
+def log_probs_wanted(arrays: dict[str, np.ndarray], row: int) -> int:
+    """-1: none; 0: the chosen tokens'; k: also the k most likely (num_top_log_probs, which implies them)."""
+    top = scalar(arrays, "num_top_log_probs", row)
+    if top is not None and not 0 <= top <= MAX_TOP_LOG_PROBS:
+        raise InputError("num_top_log_probs", f"must be between 0 and {MAX_TOP_LOG_PROBS}, got {top}")
+    if top:
+        return int(top)
+    return 0 if scalar(arrays, "return_log_probs", row) else -1
+
+
+def guide(arrays: dict[str, np.ndarray], row: int) -> Guide | None:
+    kind, text = scalar(arrays, "guided_decoding_guide_type", row), scalar(arrays, "guided_decoding_guide", row)
+    kind = None if kind is None else as_text(kind, "guided_decoding_guide_type")
+    text = "" if text is None else as_text(text, "guided_decoding_guide")
+    if kind is None:
+        if text:
+            raise InputError("guided_decoding_guide_type", "is required with guided_decoding_guide")
+        return None
+    if kind not in GUIDE_TYPES:
+        raise InputError("guided_decoding_guide_type", f"must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
+    if kind != "json" and not text:
+        raise InputError("guided_decoding_guide", f"is required with guided_decoding_guide_type {kind!r}")
+    return Guide(kind, text)
 
 
 def _row_words(arrays: dict[str, np.ndarray], name: str, row: int, limits: Limits) -> tuple[tuple[int, ...], ...]:
@@ -108,11 +174,35 @@ def exclude_input(arrays: dict[str, np.ndarray], default: bool) -> bool:
     return default if value is None else bool(value)
 
 
-def pack_outputs(sequences: list[list[int]], pad_id: int) -> dict[str, np.ndarray]:
-    """output_ids [batch, 1, longest] padded with `pad_id`, and sequence_length [batch, 1]."""
+def pack_outputs(
+    sequences: list[list[int]],
+    pad_id: int,
+    log_probs: list[list[TokenLogProbs] | None] | None = None,
+    top: int = 0,
+) -> dict[str, np.ndarray]:
+    """output_ids [batch, 1, longest] padded with `pad_id` and sequence_length [batch, 1]; with `log_probs` (one
+    list per row, of its generated tokens), output_log_probs [batch, 1, longest] and cum_log_probs [batch, 1], and
+    with `top` > 0, top_log_probs / top_log_prob_ids [batch, 1, longest, top]."""
     width = max((len(s) for s in sequences), default=0)
     output_ids = np.full((len(sequences), 1, max(width, 1)), pad_id, dtype=np.int32)
     for row, seq in enumerate(sequences):
         output_ids[row, 0, : len(seq)] = seq
     lengths = np.asarray([[len(s)] for s in sequences], dtype=np.int32)
-    return {"output_ids": output_ids, "sequence_length": lengths}
+    outputs = {"output_ids": output_ids, "sequence_length": lengths}
+    if log_probs is None:
+        return outputs
+    rows = [entries or [] for entries in log_probs]
+    longest = max(1, *(len(r) for r in rows))
+    chosen = np.zeros((len(rows), 1, longest), dtype=np.float32)
+    top_values = np.full((len(rows), 1, longest, max(top, 1)), -np.inf, dtype=np.float32)
+    top_ids = np.full((len(rows), 1, longest, max(top, 1)), pad_id, dtype=np.int32)
+    for row, entries in enumerate(rows):
+        chosen[row, 0, : len(entries)] = [e.log_prob for e in entries]
+        for position, entry in enumerate(entries):
+            for rank, (token, value) in enumerate(entry.top[:top]):
+                top_ids[row, 0, position, rank], top_values[row, 0, position, rank] = token, value
+    outputs["output_log_probs"] = chosen
+    outputs["cum_log_probs"] = chosen.sum(axis=-1)
+    if top:
+        outputs["top_log_probs"], outputs["top_log_prob_ids"] = top_values, top_ids
+    return outputs

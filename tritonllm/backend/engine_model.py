@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.backend.engine_io import exclude_input, pack_outputs, parse_requests
@@ -51,8 +52,11 @@ class _Call:
     requests: list[GenerationRequest]
     exclude_input: bool
     pad_id: int
+    counts: tuple[bool, bool]  # return_num_input_tokens, return_num_output_tokens
     engine_ids: list[str] = field(default_factory=list)
     tokens: dict[int, list[int]] = field(default_factory=dict)  # finished rows
+    log_probs: dict[int, list] = field(default_factory=dict)  # finished rows' TokenLogProbs, when asked
+    cum_log_prob: float = 0.0  # a stream's, so far
     generated: dict[int, int] = field(default_factory=dict)  # tokens generated per row, for the metrics
     closed: bool = False
 
@@ -106,7 +110,13 @@ class EngineModel:
                 self._admit(len(rows))
                 pad = arrays.get("pad_id")
                 pad_id = int(pad.flat[0]) if pad is not None else 0
-                call = _Call(sender, request.request_id(), rows, exclude_input(arrays, self.exclude_input), pad_id)
+                counts = (
+                    bool(scalar(arrays, "return_num_input_tokens", 0)),
+                    bool(scalar(arrays, "return_num_output_tokens", 0)),
+                )
+                call = _Call(
+                    sender, request.request_id(), rows, exclude_input(arrays, self.exclude_input), pad_id, counts
+                )
             except Exception as exc:
                 kind = "server_busy" if isinstance(exc, ServerBusy) else "invalid_input"
                 self._finished.put(("error", kind))
@@ -162,6 +172,7 @@ class EngineModel:
             self._outbox.put(call, emission)
         elif emission.final:
             call.tokens[row] = ([] if call.exclude_input else request.input_ids) + emission.token_ids
+            call.log_probs[row] = emission.log_probs or []
             if len(call.tokens) == len(call.requests):
                 self._outbox.put(call, emission)
 
@@ -200,15 +211,38 @@ class EngineModel:
         if final:
             self._close(call)
         if streaming:
-            outputs = pack_outputs([emission.token_ids], call.pad_id) if emission.token_ids else None
+            outputs = self._stream_outputs(call, emission) if emission.token_ids or final else None
         else:
-            outputs = pack_outputs([call.tokens[r] for r in range(len(call.requests))], call.pad_id)
+            outputs = self._outputs(call, [call.tokens[r] for r in range(len(call.requests))], call.log_probs)
         if outputs is None:
             call.sender.send(flags=FINAL)
         else:
             call.sender.send(
                 pb_utils.InferenceResponse(output_tensors=to_tensors(outputs)), flags=FINAL if final else 0
             )
+
+    def _stream_outputs(self, call: _Call, emission: Emission) -> dict | None:
+        """A stream's new tokens; the final response also carries the token counts asked for. None: nothing to send."""
+        outputs = self._outputs(call, [emission.token_ids], {0: emission.log_probs or []}, emission.final)
+        if "cum_log_probs" in outputs:  # TensorRT-LLM's is the sum so far
+            call.cum_log_prob += float(outputs["cum_log_probs"].sum())
+            outputs["cum_log_probs"][:] = call.cum_log_prob
+        if not emission.token_ids and not (emission.final and any(call.counts)):
+            return None
+        return outputs
+
+    def _outputs(self, call: _Call, sequences: list[list[int]], log_probs: dict, final: bool = True) -> dict:
+        """The tensors of a response: ids and lengths, and the log probs and token counts the request asked for."""
+        wanted = call.requests[0].log_probs
+        rows = [log_probs.get(r) for r in range(len(sequences))] if wanted >= 0 else None
+        outputs = pack_outputs(sequences, call.pad_id, rows, top=max(wanted, 0))
+        if final and call.counts[0]:
+            outputs["num_input_tokens"] = np.array([[len(r.input_ids)] for r in call.requests], dtype=np.int32)
+        if final and call.counts[1]:
+            outputs["num_output_tokens"] = np.array(
+                [[call.generated.get(r, 0)] for r in range(len(call.requests))], dtype=np.int32
+            )
+        return outputs
 
     def _close(self, call: _Call) -> None:
         call.closed = True

@@ -143,8 +143,9 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
 class Postprocessor:
     """TOKENS_BATCH [batch, beam, tokens] + SEQUENCE_LENGTH [batch, beam] -> OUTPUT and FINISH_REASON [batch, beam].
 
-    Optional: STOP_WORDS (the client's strings; the text is cut before the first one) and
-    REQUEST_OUTPUT_LEN (the client's max_tokens, to tell "length" from "eos").
+    Optional: STOP_WORDS (the client's strings; the text is cut before the first one),
+    REQUEST_OUTPUT_LEN (the client's max_tokens, to tell "length" from "eos"), and INPUT_LENGTH with
+    EXCLUDE_INPUT_IN_OUTPUT (false: the tokens start with the prompt's INPUT_LENGTH tokens).
     """
 
     def __init__(self, detokenizer: Detokenizer) -> None:
@@ -166,16 +167,19 @@ class Postprocessor:
         lengths = arrays["SEQUENCE_LENGTH"].reshape(batch, beams)
         stops = _per_row(arrays.get("STOP_WORDS"), batch, lambda v: as_text(v, "stop_words"))
         max_tokens = _per_row(arrays.get("REQUEST_OUTPUT_LEN"), batch, int)
-        texts = self.detokenizer.decode_batch(
-            [tokens[b, k, : lengths[b, k]].tolist() for b in range(batch) for k in range(beams)]
-        )
+        exclude = _per_row(arrays.get("EXCLUDE_INPUT_IN_OUTPUT"), batch, bool)
+        input_lengths = _per_row(arrays.get("INPUT_LENGTH"), batch, int)
+        # With the prompt in the tokens (exclude_input_in_output false), its text leads and is left as it is.
+        prompt = [0 if not exclude or exclude[b][0] or not input_lengths else input_lengths[b][0] for b in range(batch)]
+        rows = [(b, k) for b in range(batch) for k in range(beams)]
+        generated = self.detokenizer.decode_batch([tokens[b, k, prompt[b] : lengths[b, k]].tolist() for b, k in rows])
+        prompts = self.detokenizer.decode_batch([tokens[b, k, : prompt[b]].tolist() for b, k in rows])
         outputs, reasons = [], []
-        for i, text in enumerate(texts):
-            b, k = divmod(i, beams)
+        for (b, k), lead, text in zip(rows, prompts, generated, strict=True):
             cut = stop_index(text, stops[b]) if stops else -1
-            outputs.append((text if cut < 0 else text[:cut]).encode())
+            outputs.append((lead + (text if cut < 0 else text[:cut])).encode())
             limit = max_tokens[b][0] if max_tokens else None
-            reasons.append(finish_reason(cut >= 0, int(lengths[b, k]), limit).encode())
+            reasons.append(finish_reason(cut >= 0, int(lengths[b, k]) - prompt[b], limit).encode())
         shape = (batch, beams)
         return {
             "OUTPUT": np.array(outputs, dtype=object).reshape(shape),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tritonllm.errors import InputError
-from tritonllm.protocol import MAX_WORD_BYTES, MAX_WORDS
+from tritonllm.protocol import MAX_BIASED_TOKENS, MAX_WORD_BYTES, MAX_WORDS
 
 MAX_BYTES_PER_TOKEN = 64  # no tokenizer we know packs more bytes into one token
 
@@ -46,7 +46,8 @@ def scalar(arrays: dict[str, np.ndarray], name: str, row: int):
     flat = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(-1, 1)
     if flat.shape[1] != 1:
         raise InputError(name, f"must hold one value per request, got shape {list(array.shape)}")
-    return flat[row % flat.shape[0], 0].item()
+    value = flat[row % flat.shape[0], 0]
+    return value.item() if isinstance(value, np.generic) else value  # BYTES elements are bytes already
 
 
 def check_sampling(temperature, top_k, top_p) -> None:
@@ -150,6 +151,45 @@ class Preprocessor:
             return []
         return [ids for ids in self.tokenizer(variants, add_special_tokens=False)["input_ids"] if ids]
 
+    def _embedding_bias(self, arrays: dict[str, np.ndarray], row: int) -> np.ndarray | None:
+        """The [vocab] biases of one row: each token of each embedding_bias_words word gets its weight (as NVIDIA's
+        preprocessing adds them), and each logit_bias_token_ids id its weight; None when the row gives none."""
+        pairs: list[tuple[list[int], float]] = []
+        for ids_name, weights_name, field, weights_field in (
+            ("EMBEDDING_BIAS_WORDS", "EMBEDDING_BIAS_WEIGHTS", "embedding_bias_words", "embedding_bias_weights"),
+            ("LOGIT_BIAS_TOKEN_IDS", "LOGIT_BIAS_WEIGHTS", "logit_bias_token_ids", "logit_bias_weights"),
+        ):
+            keys, weights = _row_values(arrays.get(ids_name), row), _row_values(arrays.get(weights_name), row)
+            if len(keys) != len(weights):
+                raise InputError(
+                    weights_field, f"needs one weight per entry of {field}: got {len(keys)} and {len(weights)}"
+                )
+            if len(keys) > MAX_BIASED_TOKENS:
+                raise InputError(field, f"{len(keys)} entries, more than the limit of {MAX_BIASED_TOKENS}")
+            for weight in weights:
+                if math.isnan(weight) or weight == math.inf:
+                    raise InputError(weights_field, f"must be finite numbers or -inf (a ban), got {weight}")
+            if ids_name == "LOGIT_BIAS_TOKEN_IDS":
+                for token in keys:
+                    if not 0 <= token < self.limits.vocab_size:
+                        raise InputError(field, f"token ids must be in [0, {self.limits.vocab_size}), got {token}")
+                pairs += [([int(t)], float(w)) for t, w in zip(keys, weights, strict=True)]
+            else:
+                words = [as_text(w, field) for w in keys]
+                for word in words:
+                    if len(word.encode()) > MAX_WORD_BYTES:
+                        raise InputError(
+                            field, f"a word is {len(word.encode())} bytes, over the limit of {MAX_WORD_BYTES}"
+                        )
+                encoded = self.tokenizer(words, add_special_tokens=False)["input_ids"] if words else []
+                pairs += [(ids, float(w)) for ids, w in zip(encoded, weights, strict=True)]
+        if not pairs:
+            return None
+        bias = np.zeros(self.limits.vocab_size, dtype=np.float32)
+        for ids, weight in pairs:
+            np.add.at(bias, [t for t in ids if t < self.limits.vocab_size], weight)
+        return bias
+
     def _token_id(self, arrays: dict[str, np.ndarray], name: str, field: str, row: int, default: int) -> int:
         value = scalar(arrays, name, row)
         if value is None:
@@ -195,7 +235,7 @@ class Preprocessor:
 
     def _outputs(self, arrays: dict[str, np.ndarray], prompts: list[list[int]]) -> dict[str, np.ndarray]:
         limits = self.limits
-        lengths, output_lens, end_ids, pad_ids, stops, bads = [], [], [], [], [], []
+        lengths, output_lens, end_ids, pad_ids, stops, bads, biases = [], [], [], [], [], [], []
         for row, ids in enumerate(prompts):
             if len(ids) > limits.max_input_len:
                 raise InputError(
@@ -221,6 +261,7 @@ class Preprocessor:
             pad_ids.append(self._token_id(arrays, "PAD_ID", "pad_id", row, self.pad_id))
             stops.append(word_list(self._word_ids(self._words(arrays, "STOP_WORDS_DICT", "stop_words", row))))
             bads.append(word_list(self._word_ids(self._words(arrays, "BAD_WORDS_DICT", "bad_words", row))))
+            biases.append(self._embedding_bias(arrays, row))
 
         width = max(lengths)
         input_ids = np.full((len(prompts), width), pad_ids[0], dtype=np.int32)
@@ -234,11 +275,27 @@ class Preprocessor:
             "OUT_PAD_ID": _column(pad_ids),
             "STOP_WORDS_IDS": _stack_word_lists(stops),
             "BAD_WORDS_IDS": _stack_word_lists(bads),
+            "EMBEDDING_BIAS": _stack_biases(biases, limits.vocab_size),
         }
 
 
 def _column(values: list[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int32).reshape(-1, 1)
+
+
+def _row_values(array: np.ndarray | None, row: int) -> list:
+    """Row `row` of an optional [batch, n] input as a list (a single row applies to all); [] when absent."""
+    if array is None or array.size == 0:
+        return []
+    rows = array.reshape(array.shape[0], -1)
+    return rows[row % rows.shape[0]].tolist()
+
+
+def _stack_biases(biases: list[np.ndarray | None], vocab_size: int) -> np.ndarray:
+    """[batch, vocab], or [batch, 0] when no row has a bias (NVIDIA's preprocessing sends the same empty tensor)."""
+    if all(b is None for b in biases):
+        return np.zeros((len(biases), 0), dtype=np.float32)
+    return np.stack([np.zeros(vocab_size, dtype=np.float32) if b is None else b for b in biases])
 
 
 def _stack_word_lists(lists: list[np.ndarray]) -> np.ndarray:
