@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.errors import ErrorKind, TritonLLMError
+from tritonllm.errors import ErrorKind, InputError, TritonLLMError
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -46,8 +46,21 @@ def flag(value: str) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
+# Request parameters of the KServe v2 protocol and Triton's extensions, which clients and Triton itself set.
+TRITON_PARAMETERS = frozenset(
+    {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output", "binary_data_size"}
+)
+
+
 def input_arrays(request) -> dict[str, np.ndarray]:
-    """Every input of a request as a numpy array (copied: it outlives the request's shared memory)."""
+    """Every input of a request as a numpy array (copied: it outlives the request's shared memory).
+
+    Raises InputError for a request parameter no model reads: HTTP /generate turns JSON keys that are not
+    inputs into parameters, so a misspelt or unsupported input would otherwise be ignored without a word."""
+    raw = request.parameters()
+    unknown = sorted(set(json.loads(raw)) - TRITON_PARAMETERS) if raw and raw != "{}" else []
+    if unknown:
+        raise InputError(unknown[0], "is not an input of this model (over HTTP /generate, a key that is not an input)")
     return {tensor.name(): np.array(tensor.as_numpy(), copy=True) for tensor in request.inputs()}
 
 
@@ -117,13 +130,21 @@ def requested_outputs(request) -> set[str] | None:
 
 def run_batch(requests: Sequence, process: Callable[[list[dict[str, np.ndarray]]], list]) -> list:
     """Answer a batch of requests with `process`, which maps input arrays to output arrays or an error each."""
+    answers: list = [None] * len(requests)
+    taken = []
+    for index, request in enumerate(requests):
+        try:
+            taken.append((index, input_arrays(request)))
+        except Exception as exc:  # this request alone
+            answers[index] = error_response(exc)
     try:
-        results = process([input_arrays(r) for r in requests])
+        results = process([arrays for _, arrays in taken])
     except Exception as exc:  # a bug must fail these requests, not the model
-        return [error_response(exc) for _ in requests]
-    return [
-        error_response(result)
-        if isinstance(result, Exception)
-        else pb_utils.InferenceResponse(output_tensors=to_tensors(result, requested_outputs(request)))
-        for request, result in zip(requests, results, strict=True)
-    ]
+        results = [exc] * len(taken)
+    for (index, _), result in zip(taken, results, strict=True):
+        answers[index] = (
+            error_response(result)
+            if isinstance(result, Exception)
+            else pb_utils.InferenceResponse(output_tensors=to_tensors(result, requested_outputs(requests[index])))
+        )
+    return answers

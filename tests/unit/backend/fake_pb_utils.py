@@ -14,6 +14,7 @@ decides what a callee model answers. Metric families a model makes are kept in `
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from typing import ClassVar
@@ -107,10 +108,20 @@ class ResponseSender:
 class Request:
     """A client's request as `execute` gets it."""
 
-    def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "", requested: list[str] | None = None):
+    def __init__(
+        self,
+        inputs: dict[str, np.ndarray],
+        request_id: str = "",
+        requested: list[str] | None = None,
+        parameters: dict | None = None,
+    ):
         self._inputs = [Tensor(name, array) for name, array in inputs.items()]
         self._id, self._requested = request_id, list(requested or [])
+        self._parameters = json.dumps(parameters or {})
         self.sender = ResponseSender()
+
+    def parameters(self) -> str:
+        return self._parameters
 
     def inputs(self) -> list[Tensor]:
         return self._inputs

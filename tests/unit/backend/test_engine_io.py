@@ -96,3 +96,73 @@ def test_pack_outputs_pads_and_counts():
     assert out["output_ids"][1, 0].tolist() == [4, 0, 0]
     assert out["sequence_length"].tolist() == [[3], [1]]
     assert pack_outputs([[]], 0)["output_ids"].shape == (1, 1, 1)
+
+
+def test_parse_controls():
+    bias = np.zeros((1, 100), np.float32)
+    bias[0, 7], bias[0, 9] = 2.5, -np.inf
+    [req] = parse_requests(
+        arrays(
+            [1, 2],
+            repetition_penalty=np.array([1.3], np.float32),
+            presence_penalty=np.array([0.5], np.float32),
+            frequency_penalty=np.array([-0.25], np.float32),
+            min_tokens=np.array([3], np.int32),
+            beam_width=np.array([1], np.int32),
+            len_penalty=np.array([0.7], np.float32),
+            embedding_bias=bias,
+            num_top_log_probs=np.array([4], np.int32),
+            guided_decoding_guide_type=np.array([[b"regex"]], dtype=object),
+            guided_decoding_guide=np.array([[b"[0-9]+"]], dtype=object),
+        ),
+        LIMITS,
+    )
+    assert (req.penalties.repetition, req.penalties.presence, req.penalties.frequency) == (
+        pytest.approx(1.3),
+        0.5,
+        -0.25,
+    )
+    assert req.penalties.min_tokens == 3
+    assert req.embedding_bias == ((7, 2.5), (9, -np.inf))
+    assert req.log_probs == 4 and (req.guide.type, req.guide.text) == ("regex", "[0-9]+")
+
+
+def test_parse_neutral_controls_by_default():
+    [req] = parse_requests(arrays([1, 2], return_log_probs=np.array([True])), LIMITS)
+    assert req.penalties.neutral and req.embedding_bias == () and req.guide is None and req.log_probs == 0
+    [req] = parse_requests(arrays([1, 2], embedding_bias=np.zeros((1, 0), np.float32)), LIMITS)
+    assert req.embedding_bias == () and req.log_probs == -1
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"beam_width": np.array([2], np.int32)}, "beam_width"),
+        ({"repetition_penalty": np.array([0.0], np.float32)}, "repetition_penalty"),
+        ({"presence_penalty": np.array([np.nan], np.float32)}, "presence_penalty"),
+        ({"frequency_penalty": np.array([np.inf], np.float32)}, "frequency_penalty"),
+        ({"min_tokens": np.array([-1], np.int32)}, "min_tokens"),
+        ({"embedding_bias": np.zeros((1, 99), np.float32)}, "embedding_bias"),
+        ({"embedding_bias": np.full((1, 100), np.nan, np.float32)}, "embedding_bias"),
+        ({"num_top_log_probs": np.array([21], np.int32)}, "num_top_log_probs"),
+        ({"guided_decoding_guide_type": np.array([[b"xml"]], dtype=object)}, "guided_decoding_guide_type"),
+        ({"guided_decoding_guide_type": np.array([[b"regex"]], dtype=object)}, "guided_decoding_guide"),
+        ({"guided_decoding_guide": np.array([[b"{}"]], dtype=object)}, "guided_decoding_guide_type"),
+    ],
+)
+def test_parse_control_errors_name_the_input(extra, field):
+    with pytest.raises(InputError) as err:
+        parse_requests(arrays([1, 2], **extra), LIMITS)
+    assert err.value.field == field
+
+
+def test_pack_outputs_with_log_probs():
+    from tritonllm.engine.api import TokenLogProbs
+
+    rows = [[TokenLogProbs(-0.5, ((3, -0.5), (4, -1.5))), TokenLogProbs(-2.0, ((5, -0.1), (6, -2.0)))], []]
+    out = pack_outputs([[3, 6], [9]], pad_id=0, log_probs=rows, top=2)
+    assert out["output_log_probs"].shape == (2, 1, 2) and out["output_log_probs"][0, 0].tolist() == [-0.5, -2.0]
+    assert out["cum_log_probs"][:, 0].tolist() == [-2.5, 0.0]
+    assert out["top_log_prob_ids"][0, 0].tolist() == [[3, 4], [5, 6]]
+    assert out["top_log_probs"].shape == (2, 1, 2, 2)
+    assert "top_log_probs" not in pack_outputs([[3]], pad_id=0, log_probs=[rows[0][:1]], top=0)

@@ -17,7 +17,7 @@ import pytest
 
 from tests.unit.backend import fake_pb_utils
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, GenerationRequest
-from tritonllm.errors import ErrorKind
+from tritonllm.errors import ErrorKind, InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH
 from tritonllm.text.tokenization import Limits
 
@@ -469,3 +469,14 @@ def drain(records: queue.SimpleQueue) -> list:
     while not records.empty():
         out.append(records.get())
     return out
+
+
+def test_a_request_parameter_no_model_reads_is_refused_by_name(pb_utils):
+    """HTTP /generate turns keys that are not inputs into request parameters."""
+    from tritonllm.backend.triton_glue import input_arrays
+
+    request = fake_pb_utils.Request({"x": np.zeros(1)}, parameters={"sequence_id": 0, "lora_task_id": 3})
+    with pytest.raises(InputError) as err:
+        input_arrays(request)
+    assert err.value.field == "lora_task_id"
+    assert set(input_arrays(fake_pb_utils.Request({"x": np.zeros(1)}, parameters={"priority": 1}))) == {"x"}

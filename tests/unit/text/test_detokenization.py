@@ -143,3 +143,24 @@ def test_postprocessor_finish_reason(tokenizer):
         reason(REQUEST_OUTPUT_LEN=np.array([[len(ids)]], np.int32), STOP_WORDS=np.array([[b"nice"]], dtype=object))
         == "stop"
     )
+
+
+def test_prompt_in_the_tokens_leads_the_text_and_is_not_cut_or_counted(tokenizer):
+    post = Postprocessor(Detokenizer(tokenizer))
+    prompt = tokenizer("Stop here. Then", add_special_tokens=False)["input_ids"]
+    generated = tokenizer(" go on. Stop", add_special_tokens=False)["input_ids"]
+    tokens = np.array([[prompt + generated]], dtype=np.int32)
+    arrays = {
+        "TOKENS_BATCH": tokens,
+        "SEQUENCE_LENGTH": np.array([[tokens.shape[-1]]], np.int32),
+        "STOP_WORDS": np.array([[b"Stop"]], dtype=object),
+        "REQUEST_OUTPUT_LEN": np.array([[len(generated) + 3]], np.int32),
+        "INPUT_LENGTH": np.array([[len(prompt)]], np.int32),
+        "EXCLUDE_INPUT_IN_OUTPUT": np.array([[False]]),
+    }
+    [out] = post.process([arrays])
+    assert out["OUTPUT"][0, 0].decode() == "Stop here. Then go on. "
+    assert out["FINISH_REASON"][0, 0].decode() == "stop"
+    arrays["STOP_WORDS"] = np.array([[b"zzz"]], dtype=object)
+    [out] = post.process([arrays])
+    assert out["FINISH_REASON"][0, 0].decode() == "eos"  # len(generated) < max_tokens, the prompt not counted

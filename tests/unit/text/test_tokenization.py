@@ -99,3 +99,62 @@ def test_word_list_round_trip():
     assert array[1].tolist() == [1, 4, 6, -1, -1, -1]
     assert parse_word_list(array) == words
     assert parse_word_list(word_list([])) == ()
+
+
+def test_embedding_bias_from_words_and_token_ids(pre, tokenizer):
+    [out] = pre.process(
+        [
+            request(
+                "Hello",
+                EMBEDDING_BIAS_WORDS=np.array([[b"Paris", b" London"]], dtype=object),
+                EMBEDDING_BIAS_WEIGHTS=np.array([[2.0, -np.inf]], np.float32),
+                LOGIT_BIAS_TOKEN_IDS=np.array([[5, 5]], np.int32),
+                LOGIT_BIAS_WEIGHTS=np.array([[1.0, 0.5]], np.float32),
+            )
+        ]
+    )
+    bias = out["EMBEDDING_BIAS"]
+    assert bias.shape == (1, LIMITS.vocab_size)
+    expected = np.zeros(LIMITS.vocab_size, np.float32)
+    for token in tokenizer("Paris", add_special_tokens=False)["input_ids"]:
+        expected[token] += 2.0
+    for token in tokenizer(" London", add_special_tokens=False)["input_ids"]:
+        expected[token] = -np.inf
+    expected[5] += 1.5
+    assert np.array_equal(bias[0], expected)
+
+
+def test_no_bias_is_an_empty_tensor(pre):
+    [out] = pre.process([request("Hello", "World")])
+    assert out["EMBEDDING_BIAS"].shape == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        (
+            {
+                "EMBEDDING_BIAS_WORDS": np.array([[b"a", b"b"]], dtype=object),
+                "EMBEDDING_BIAS_WEIGHTS": np.array([[1.0]], np.float32),
+            },
+            "embedding_bias_weights",
+        ),
+        (
+            {
+                "LOGIT_BIAS_TOKEN_IDS": np.array([[LIMITS.vocab_size]], np.int32),
+                "LOGIT_BIAS_WEIGHTS": np.array([[1.0]], np.float32),
+            },
+            "logit_bias_token_ids",
+        ),
+        (
+            {
+                "LOGIT_BIAS_TOKEN_IDS": np.array([[3]], np.int32),
+                "LOGIT_BIAS_WEIGHTS": np.array([[np.inf]], np.float32),
+            },
+            "logit_bias_weights",
+        ),
+    ],
+)
+def test_bad_biases_name_the_input(pre, extra, field):
+    [out] = pre.process([request("Hello", **extra)])
+    assert isinstance(out, InputError) and out.field == field
