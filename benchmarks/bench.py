@@ -4,7 +4,9 @@
    with the token ids the ensemble's preprocessing makes), throughput and p50 latency;
 2. serving overhead: output tokens/s through Triton against transformers' continuous batching
    in-process, same model, prompts, lengths and concurrency;
-3. in-flight batching: output tokens/s at concurrency 16 against concurrency 1.
+3. in-flight batching: output tokens/s at concurrency 16 against concurrency 1;
+4. controls: `ensemble` with log probabilities (top 5), a JSON-schema guide, or penalties against plain
+   greedy decoding, at concurrency 1 and 16.
 
 Every request generates exactly --max-tokens tokens. It prints a table with the targets of the
 performance issue next to the measured values; nothing here asserts. The server must be idle
@@ -35,6 +37,16 @@ FIRST_TEXT_MAX_TOKENS = 8  # the streamed requests' length too
 # Latency pairs: the ensemble and the engine model alone on the same prompt, back to back. Two independent sets of
 # a dozen requests gave p50 differences from -42 to +21 ms between runs of this host, far more than the +2 ms target.
 LATENCY_PAIRS = 24
+# Each control's cost against plain greedy decoding, through `ensemble` at the same load. Every request still
+# generates exactly --max-tokens tokens: the guide's language (arrays of strings) has no length limit.
+CONTROLS = {
+    "log_probs": {"return_log_probs": True, "num_top_log_probs": 5},
+    "guided": {
+        "guided_decoding_guide_type": "json_schema",
+        "guided_decoding_guide": json.dumps({"type": "array", "items": {"type": "string"}}),
+    },
+    "penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+}
 
 
 def in_process_tokens_per_s(
@@ -121,9 +133,9 @@ async def serve_levels(make_targets, plan: list[tuple[str, int]], per: int) -> d
     busy: dict[tuple[str, int], float] = {}  # seconds each (target, concurrency) ran, its rounds apart
     try:
         for name in sorted({n for n, _ in plan}):
-            await run_level(getattr(targets, name), 1, 2)  # warm-up
+            await run_level(targets.sender(name), 1, 2)  # warm-up
         for name, concurrency in plan:
-            got = await run_level(getattr(targets, name), concurrency, max(4, per * concurrency))
+            got = await run_level(targets.sender(name), concurrency, max(4, per * concurrency))
             records.setdefault((name, concurrency), []).extend(got)
             busy[name, concurrency] = busy.get((name, concurrency), 0.0) + span(got)
     finally:
@@ -317,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     try:
         grpc_url = f"{server.host}:{server.grpc_port}"
-        make = lambda: Targets(grpc_url, server.http_url, prompts, args.max_tokens, tokenizer)  # noqa: E731
+        make = lambda: Targets(grpc_url, server.http_url, prompts, args.max_tokens, tokenizer, CONTROLS)  # noqa: E731
         steps = ["preprocessing", "postprocessing", "tensorrt_llm_bridge", "tensorrt_llm"]
         before = step_times(server.http_url, steps)
         rounds = [("engine", 1), ("ensemble", 1)] * 3
@@ -326,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
         after = step_times(server.http_url, steps)
         plan = [("engine", 8), ("ensemble", 8)] * 2 + [("stream", 16)]
         served = {**overhead, **asyncio.run(serve_levels(make, plan, args.requests))}
+        controls = asyncio.run(
+            serve_levels(
+                make, [(v, c) for c in (1, 16) for _ in range(2) for v in ("ensemble", *CONTROLS)], args.requests
+            )
+        )
         # Each baseline runs in the same window as its served counterpart, in alternation, while the
         # server idles: on a noisy host only ratios measured side by side mean anything.
         generate = PlainGenerate(manifest, prompts)
@@ -399,6 +416,17 @@ def main(argv: list[str] | None = None) -> int:
             ">= 1.0 (no slower than generate)",
         )
     )
+    for c in (1, 16):
+        plain = controls[("ensemble", c)].output_tokens_per_s
+        for name in CONTROLS:
+            got = controls[(name, c)].output_tokens_per_s
+            rows.append(
+                (
+                    f"controls, c{c}: {name} / plain ensemble, tok/s",
+                    f"{got / plain:.3f} ({got:.1f} / {plain:.1f})",
+                    ">= 0.90",
+                )
+            )
     for name, label, target in (
         ("text", "streaming c1: time to first text - the engine's own to first token", "<= +5 ms"),
         ("engine", "  the engine model alone: first token - the engine's own", "(Triton and the engine's stub)"),

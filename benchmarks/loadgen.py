@@ -113,7 +113,15 @@ async def run_level(send: Callable[[int], Awaitable[Record]], concurrency: int, 
 class Targets:
     """Builds `send(i)` coroutines for each target, over one gRPC and one HTTP aio client."""
 
-    def __init__(self, grpc_url: str, http_url: str, prompts: Sequence[str], max_tokens: int, tokenizer=None):
+    def __init__(
+        self,
+        grpc_url: str,
+        http_url: str,
+        prompts: Sequence[str],
+        max_tokens: int,
+        tokenizer=None,
+        variants: dict[str, dict] | None = None,
+    ):
         import tritonclient.grpc.aio as grpcaio
         import tritonclient.http.aio as httpaio
 
@@ -121,6 +129,7 @@ class Targets:
         self.http = httpaio.InferenceServerClient(http_url, conn_limit=256, conn_timeout=600)
         self.prompts = list(prompts)
         self.max_tokens = max_tokens
+        self.variants = dict(variants or {})  # name -> extra request_tensors options, sent through `ensemble`
         self.token_ids = None
         if tokenizer is not None:  # what preprocessing makes of each prompt with apply_chat_template
             self.token_ids = [
@@ -137,10 +146,17 @@ class Targets:
         await self.grpc.close()
         await self.http.close()
 
-    def _text_tensors(self, i: int, module, stream: bool) -> list:
+    def sender(self, name: str) -> Callable[[int], Awaitable[Record]]:
+        """`send(i)` of a target method, or of `ensemble` with the options of variant `name`."""
+        if name in self.variants:
+            return lambda i: self.ensemble(i, self.variants[name])
+        return getattr(self, name)
+
+    def _text_tensors(self, i: int, module, stream: bool, options: dict | None = None) -> list:
         from tritonllm.protocol import request_tensors
 
-        tensors = request_tensors(self.prompts[i % len(self.prompts)], self.max_tokens, return_num_output_tokens=True)
+        prompt = self.prompts[i % len(self.prompts)]
+        tensors = request_tensors(prompt, self.max_tokens, return_num_output_tokens=True, **(options or {}))
         tensors.append(("end_id", np.array([[-1]], np.int32), "INT32"))
         if stream:
             tensors.append(("stream", np.array([[True]]), "BOOL"))
@@ -170,12 +186,12 @@ class Targets:
                 record = Record(start, time.perf_counter(), first, int(tokens.reshape(-1)[0]))
         return record or Record(start, time.perf_counter(), first, 0, "the stream ended without a final response")
 
-    async def ensemble(self, i: int) -> Record:
+    async def ensemble(self, i: int, options: dict | None = None) -> Record:
         import tritonclient.http as httpclient
 
         start = time.perf_counter()
         try:
-            result = await self.http.infer("ensemble", self._text_tensors(i, httpclient, stream=False))
+            result = await self.http.infer("ensemble", self._text_tensors(i, httpclient, False, options))
         except Exception as exc:
             return Record(start, time.perf_counter(), None, 0, str(exc))
         return Record(start, time.perf_counter(), None, int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
