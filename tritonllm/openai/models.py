@@ -22,12 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tritonllm.errors import ErrorKind
 from tritonllm.openai import tools as tooling
-from tritonllm.protocol import MAX_TOP_LOG_PROBS, MAX_WORD_BYTES, MAX_WORDS, STREAMING_MODEL
+from tritonllm.protocol import MAX_BIASED_TOKENS, MAX_TOP_LOG_PROBS, MAX_WORD_BYTES, MAX_WORDS, STREAMING_MODEL
 
 FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop"}
 MAX_STOPS = min(4, MAX_WORDS)  # OpenAI's limit, within what the models take
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' `logprobs`
-MAX_LOGIT_BIAS = 300  # OpenAI's limit of biased tokens per request
+MAX_LOGIT_BIAS = min(300, MAX_BIASED_TOKENS)  # OpenAI's limit of biased tokens, within what the models take
 PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty: OpenAI's -2..2
 
 # Accepted and changing nothing by nature: identifiers and storage options of OpenAI's platform.
