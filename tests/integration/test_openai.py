@@ -123,9 +123,9 @@ def test_errors_in_openai_format(api, model):
     with pytest.raises(openai.BadRequestError, match="messages"):
         api.chat.completions.create(model=model, messages=[], max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        chat(api, model, max_tokens=4, presence_penalty=0.5)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        chat(api, model, max_tokens=4, logprobs=True)
+        chat(api, model, max_tokens=4, presence_penalty=2.5)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        chat(api, model, max_tokens=4, logprobs=True, top_logprobs=21)
 
 
 @pytest.mark.parametrize("stream", [False, True])
