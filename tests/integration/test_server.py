@@ -97,8 +97,8 @@ def test_ensemble_finish_reasons(url):
         whole = triton.infer(
             "ensemble", infer_inputs(httpclient, request_tensors(PROMPTS[0], 64, return_num_output_tokens=True))
         )
-    assert (cut.as_numpy("finish_reason")[0, 0], cut.as_numpy("num_output_tokens")[0, 0]) == (b"length", 3)
-    assert whole.as_numpy("finish_reason")[0, 0] == b"eos" and whole.as_numpy("num_output_tokens")[0, 0] < 64
+    assert (cut.as_numpy("finish_reason")[0], cut.as_numpy("num_output_tokens")[0, 0]) == (b"length", 3)
+    assert whole.as_numpy("finish_reason")[0] == b"eos" and whole.as_numpy("num_output_tokens")[0, 0] < 64
 
 
 def test_the_engine_leaves_the_end_id_out_of_its_output(url, tokenizer):

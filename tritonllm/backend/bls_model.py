@@ -88,7 +88,8 @@ class _Delta:
         return self
 
     def tensors(self, with_log_probs: bool, top: int) -> dict[str, np.ndarray]:
-        tensors = {"text_output": np.array([[self.text.encode()]], dtype=object)}
+        # One dimension, as NVIDIA's tensorrt_llm_bls answers: its clients read `text_output[0]` as bytes.
+        tensors = {"text_output": np.array([self.text.encode()], dtype=object)}
         if with_log_probs:
             tensors["output_ids"] = np.array([[self.ids]], dtype=np.int32).reshape(1, 1, -1)
             tensors["output_log_probs"] = np.array([[self.log_probs]], dtype=np.float32).reshape(1, 1, -1)
@@ -199,6 +200,8 @@ class StreamingModel:
     def _generate(self, arrays: dict[str, np.ndarray], state: _Request) -> None:
         try:
             streaming = bool(scalar(arrays, "stream", 0))
+            if (scalar(arrays, "beam_width", 0) or 1) != 1:
+                raise InputError("beam_width", "tensorrt_llm_bls answers one beam: call ensemble for beam search")
             state.log_probs = log_probs_wanted(arrays, 0)
             tensors = dict(arrays)
             tensors.update(self._preprocess(arrays))
@@ -214,7 +217,7 @@ class StreamingModel:
             max_tokens = int(scalar(arrays, "max_tokens", 0))
             final = whole.tensors(not streaming and state.log_probs >= 0, 0 if streaming else max(state.log_probs, 0))
             final["finish_reason"] = np.array(
-                [[finish_reason(stream.stopped, stream.num_tokens, max_tokens).encode()]], dtype=object
+                [finish_reason(stream.stopped, stream.num_tokens, max_tokens).encode()], dtype=object
             )
             if scalar(arrays, "return_num_input_tokens", 0):
                 final["num_input_tokens"] = tensors["_REQUEST_INPUT_LEN"].reshape(1, 1).astype(np.int32)

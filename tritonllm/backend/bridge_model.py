@@ -10,9 +10,11 @@ through the response sender, so one instance keeps every request in flight at th
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
+from tritonllm.backend.model_config import read_config
 from tritonllm.backend.triton_glue import (
     FINAL,
     error_response,
@@ -30,6 +32,10 @@ class BridgeModel:
         config = model_config(args)
         params = parameters(config)
         self.engine_model = params["engine_model_name"]
+        # The ensemble asks for every output it maps; the engine is asked only for those it has (the TensorRT-LLM
+        # flavor's lacks the portable engine's additions, and Triton refuses a request for an unknown output).
+        engine = read_config(Path(args["model_repository"]).parent / self.engine_model / "config.pbtxt")
+        self.engine_outputs = {output.name for output in engine.output}
         # Inputs declared with `reshape` arrive without their dims; the engine expects them back.
         self.reshaped = {i["name"]: [int(d) for d in i["dims"]] for i in config["input"] if "reshape" in i}
         self.workers = ThreadPoolExecutor(int(params["max_inflight_requests"]), thread_name_prefix="bridge")
@@ -44,7 +50,8 @@ class BridgeModel:
                     )
                     for name, array in input_arrays(request).items()
                 ]
-                outputs = request.requested_output_names() or ["output_ids", "sequence_length"]
+                requested = request.requested_output_names() or ["output_ids", "sequence_length"]
+                outputs = [name for name in requested if name in self.engine_outputs]
             except Exception as exc:
                 sender.send(error_response(exc), flags=FINAL)
                 continue

@@ -16,12 +16,15 @@ import numpy as np
 
 from tritonllm.engine.api import GenerationRequest, Guide, Penalties, SamplingParams, TokenLogProbs
 from tritonllm.errors import InputError
-from tritonllm.protocol import GUIDE_TYPES, MAX_TOP_LOG_PROBS, MAX_WORD_SEQUENCES
-from tritonllm.text.tokenization import Limits, as_text, check_sampling, parse_word_list, scalar
+from tritonllm.protocol import MAX_TOP_LOG_PROBS, MAX_WORD_SEQUENCES
+from tritonllm.text.tokenization import Limits, check_sampling, parse_guide, parse_word_list, scalar
 
 
 def sampling_params(temperature, top_k, top_p, seed) -> SamplingParams:
-    """Greedy unless the request asks for randomness: temperature > 0, top_k > 1 or top_p < 1."""
+    """Greedy unless the request asks for randomness: temperature > 0, top_k > 1 or top_p < 1. A runtime_top_p
+    of 0 or less is unset, as TensorRT-LLM's backend reads it (NVIDIA's inflight_batcher_llm_client sends 0)."""
+    if top_p is not None and top_p <= 0:
+        top_p = None
     check_sampling(temperature, top_k, top_p)
     if temperature == 0 or top_k == 1:
         return SamplingParams()
@@ -139,18 +142,10 @@ def log_probs_wanted(arrays: dict[str, np.ndarray], row: int) -> int:
 
 
 def guide(arrays: dict[str, np.ndarray], row: int) -> Guide | None:
-    kind, text = scalar(arrays, "guided_decoding_guide_type", row), scalar(arrays, "guided_decoding_guide", row)
-    kind = None if kind is None else as_text(kind, "guided_decoding_guide_type")
-    text = "" if text is None else as_text(text, "guided_decoding_guide")
-    if kind is None:
-        if text:
-            raise InputError("guided_decoding_guide_type", "is required with guided_decoding_guide")
-        return None
-    if kind not in GUIDE_TYPES:
-        raise InputError("guided_decoding_guide_type", f"must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
-    if kind != "json" and not text:
-        raise InputError("guided_decoding_guide", f"is required with guided_decoding_guide_type {kind!r}")
-    return Guide(kind, text)
+    parsed = parse_guide(
+        scalar(arrays, "guided_decoding_guide_type", row), scalar(arrays, "guided_decoding_guide", row)
+    )
+    return None if parsed is None else Guide(*parsed)
 
 
 def _row_words(arrays: dict[str, np.ndarray], name: str, row: int, limits: Limits) -> tuple[tuple[int, ...], ...]:

@@ -13,7 +13,7 @@ def preprocessor(params: dict[str, str]) -> Preprocessor:
     """The preprocessing model's step from its config's parameters (tensorrt_llm_bls runs the same one)."""
     tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
     limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
-    return Preprocessor(tokenizer, limits, flag(params["add_special_tokens"]))
+    return Preprocessor(tokenizer, limits, flag(params["add_special_tokens"]), int(params.get("max_beam_width", "1")))
 
 
 class PreprocessingModel:

@@ -40,6 +40,7 @@ class BuildPlan:
     max_seq_len: int
     vocab_size: int
     max_queue_size: int = 0  # requests that may wait for a batch slot (0: as many as max_batch_size)
+    max_beam_width: int = 1  # the portable engine generates one beam; a TensorRT-LLM engine's is built in
     engine_values: dict[str, str] = field(default_factory=dict)  # the flavor's own template values
     engine_config: EngineConfig | None = None  # the portable engine's, written beside it as engine.json
     details: dict = field(default_factory=dict)  # what else the manifest records (the TensorRT-LLM engine's)
@@ -72,6 +73,7 @@ class BuildPlan:
             "max_input_len": str(self.max_input_len),
             "max_seq_len": str(self.max_seq_len),
             "vocab_size": str(self.vocab_size),
+            "max_beam_width": str(self.max_beam_width),
             "max_inflight_requests": str(8 * self.max_batch_size),
             "max_queue_size": str(self.queue_size),
             **self.engine_values,
@@ -163,9 +165,9 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
         max_seq_len=info.max_seq_len,
         vocab_size=info.vocab_size,
         max_queue_size=getattr(args, "max_queue_size", 0),
+        max_beam_width=info.max_beam_width,
         engine_values={
             "engine_dir": str(engine_dir),
-            "max_beam_width": str(info.max_beam_width),
             "kv_cache_free_gpu_mem_fraction": str(args.kv_cache_free_gpu_mem_fraction),
             "enable_kv_cache_reuse": "true",
             **guided_decoding_values(repository),

@@ -141,7 +141,7 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
 
 
 class Postprocessor:
-    """TOKENS_BATCH [batch, beam, tokens] + SEQUENCE_LENGTH [batch, beam] -> OUTPUT and FINISH_REASON [batch, beam].
+    """TOKENS_BATCH [batch, beam, tokens] + SEQUENCE_LENGTH [batch, beam] -> OUTPUT and FINISH_REASON [batch x beam].
 
     Optional: STOP_WORDS (the client's strings; the text is cut before the first one),
     REQUEST_OUTPUT_LEN (the client's max_tokens, to tell "length" from "eos"), and INPUT_LENGTH with
@@ -180,7 +180,8 @@ class Postprocessor:
             outputs.append((lead + (text if cut < 0 else text[:cut])).encode())
             limit = max_tokens[b][0] if max_tokens else None
             reasons.append(finish_reason(cut >= 0, int(lengths[b, k]) - prompt[b], limit).encode())
-        shape = (batch, beams)
+        # One dimension of batch x beams, as NVIDIA's postprocessing answers: its clients read `output[0]` as bytes.
+        shape = (batch * beams,)
         return {
             "OUTPUT": np.array(outputs, dtype=object).reshape(shape),
             "FINISH_REASON": np.array(reasons, dtype=object).reshape(shape),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tritonllm.errors import InputError
-from tritonllm.protocol import MAX_BIASED_TOKENS, MAX_WORD_BYTES, MAX_WORDS
+from tritonllm.protocol import GUIDE_TYPES, MAX_BIASED_TOKENS, MAX_WORD_BYTES, MAX_WORDS
 
 MAX_BYTES_PER_TOKEN = 64  # no tokenizer we know packs more bytes into one token
 
@@ -60,6 +60,29 @@ def check_sampling(temperature, top_k, top_p) -> None:
         raise InputError("top_p", f"must be in (0, 1], got {top_p}")
 
 
+def parse_guide(kind: object, guide: object) -> tuple[str, str] | None:
+    """(guide type, guide) of guided_decoding_guide_type / guided_decoding_guide, or None when not asked for.
+    Checked here for both engines: TensorRT-LLM's backend ignores an unknown type, or a guide without one."""
+    kind = None if kind is None else as_text(kind, "guided_decoding_guide_type")
+    text = "" if guide is None else as_text(guide, "guided_decoding_guide")
+    if kind is None:
+        if text:
+            raise InputError("guided_decoding_guide_type", "is required with guided_decoding_guide")
+        return None
+    if kind not in GUIDE_TYPES:
+        raise InputError("guided_decoding_guide_type", f"must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
+    if kind != "json" and not text:
+        raise InputError("guided_decoding_guide", f"is required with guided_decoding_guide_type {kind!r}")
+    return kind, text
+
+
+def check_beam_width(beam_width, max_beam_width: int) -> None:
+    if beam_width is not None and not 1 <= beam_width <= max_beam_width:
+        raise InputError(
+            "beam_width", f"must be between 1 and {max_beam_width} (the engine's max_beam_width), got {beam_width}"
+        )
+
+
 def word_list(sequences: Sequence[Sequence[int]]) -> np.ndarray:
     """TensorRT-LLM's [2, L] word-list format: flattened ids, then cumulative end offsets padded with -1."""
     flat = [t for seq in sequences for t in seq]
@@ -89,9 +112,10 @@ def parse_word_list(array: np.ndarray | None) -> tuple[tuple[int, ...], ...]:
 class Preprocessor:
     """Tokenizes every row of every request in one call to the fast tokenizer."""
 
-    def __init__(self, tokenizer, limits: Limits, add_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, limits: Limits, add_special_tokens: bool = True, max_beam_width: int = 1) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.max_beam_width = max_beam_width
         self.add_special_tokens = add_special_tokens
         self.end_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
         pad = tokenizer.pad_token_id
@@ -255,6 +279,8 @@ class Preprocessor:
             check_sampling(
                 scalar(arrays, "TEMPERATURE", row), scalar(arrays, "TOP_K", row), scalar(arrays, "TOP_P", row)
             )
+            check_beam_width(scalar(arrays, "BEAM_WIDTH", row), self.max_beam_width)
+            parse_guide(scalar(arrays, "GUIDED_DECODING_GUIDE_TYPE", row), scalar(arrays, "GUIDED_DECODING_GUIDE", row))
             lengths.append(len(ids))
             output_lens.append(max_tokens)
             end_ids.append(self._token_id(arrays, "END_ID", "end_id", row, self.end_id))

@@ -166,3 +166,7 @@ def test_pack_outputs_with_log_probs():
     assert out["top_log_prob_ids"][0, 0].tolist() == [[3, 4], [5, 6]]
     assert out["top_log_probs"].shape == (2, 1, 2, 2)
     assert "top_log_probs" not in pack_outputs([[3]], pad_id=0, log_probs=[rows[0][:1]], top=0)
+
+
+def test_runtime_top_p_of_zero_is_unset_as_in_tensorrt_llm():
+    assert sampling_params(None, None, 0.0, None) == sampling_params(None, None, None, None)

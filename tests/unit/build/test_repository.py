@@ -75,7 +75,9 @@ def test_bridge_and_engine_share_their_tensors():
 def test_streaming_model_has_the_ensembles_tensors():
     configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
     assert list(configs["ensemble"].input) == list(configs["tensorrt_llm_bls"].input)
-    assert list(configs["ensemble"].output) == list(configs["tensorrt_llm_bls"].output)
+    streamed = list(configs["tensorrt_llm_bls"].output)
+    # Plus the tokens each streamed response's log probs belong to.
+    assert list(configs["ensemble"].output) == streamed[:-1] and streamed[-1].name == "output_ids"
     assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled
 
 

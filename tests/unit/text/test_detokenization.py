@@ -118,13 +118,13 @@ def test_postprocessor_shapes_and_stop(tokenizer):
     tokens[1, 0, :2] = ids[:2]
     lengths = np.array([[len(ids)], [2]], dtype=np.int32)
     [out] = post.process([{"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": lengths}])
-    assert out["OUTPUT"].shape == (2, 1)
-    assert out["OUTPUT"][0, 0].decode() == " Paris is nice"
-    assert out["OUTPUT"][1, 0].decode() == tokenizer.decode(ids[:2])
+    assert out["OUTPUT"].shape == (2,)
+    assert out["OUTPUT"][0].decode() == " Paris is nice"
+    assert out["OUTPUT"][1].decode() == tokenizer.decode(ids[:2])
     stops = np.array([[b" nice"], [b"zzz"]], dtype=object)
     [out] = post.process([{"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": lengths, "STOP_WORDS": stops}])
-    assert out["OUTPUT"][0, 0].decode() == " Paris is"
-    assert out["OUTPUT"][1, 0].decode() == tokenizer.decode(ids[:2])
+    assert out["OUTPUT"][0].decode() == " Paris is"
+    assert out["OUTPUT"][1].decode() == tokenizer.decode(ids[:2])
 
 
 def test_postprocessor_finish_reason(tokenizer):
@@ -135,7 +135,7 @@ def test_postprocessor_finish_reason(tokenizer):
 
     def reason(**extra):
         [out] = post.process([{"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": lengths, **extra}])
-        return out["FINISH_REASON"][0, 0].decode()
+        return out["FINISH_REASON"][0].decode()
 
     assert reason(REQUEST_OUTPUT_LEN=np.array([[len(ids)]], np.int32)) == "length"
     assert reason(REQUEST_OUTPUT_LEN=np.array([[len(ids) + 5]], np.int32)) == "eos"
@@ -159,8 +159,8 @@ def test_prompt_in_the_tokens_leads_the_text_and_is_not_cut_or_counted(tokenizer
         "EXCLUDE_INPUT_IN_OUTPUT": np.array([[False]]),
     }
     [out] = post.process([arrays])
-    assert out["OUTPUT"][0, 0].decode() == "Stop here. Then go on. "
-    assert out["FINISH_REASON"][0, 0].decode() == "stop"
+    assert out["OUTPUT"][0].decode() == "Stop here. Then go on. "
+    assert out["FINISH_REASON"][0].decode() == "stop"
     arrays["STOP_WORDS"] = np.array([[b"zzz"]], dtype=object)
     [out] = post.process([arrays])
-    assert out["FINISH_REASON"][0, 0].decode() == "eos"  # len(generated) < max_tokens, the prompt not counted
+    assert out["FINISH_REASON"][0].decode() == "eos"  # len(generated) < max_tokens, the prompt not counted

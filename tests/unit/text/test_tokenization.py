@@ -158,3 +158,24 @@ def test_no_bias_is_an_empty_tensor(pre):
 def test_bad_biases_name_the_input(pre, extra, field):
     [out] = pre.process([request("Hello", **extra)])
     assert isinstance(out, InputError) and out.field == field
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"BEAM_WIDTH": np.array([[2]], np.int32)}, "beam_width"),
+        ({"BEAM_WIDTH": np.array([[0]], np.int32)}, "beam_width"),
+        ({"GUIDED_DECODING_GUIDE_TYPE": np.array([[b"structural_tag"]], dtype=object)}, "guided_decoding_guide_type"),
+        ({"GUIDED_DECODING_GUIDE": np.array([[b"[0-9]+"]], dtype=object)}, "guided_decoding_guide_type"),
+        ({"GUIDED_DECODING_GUIDE_TYPE": np.array([[b"regex"]], dtype=object)}, "guided_decoding_guide"),
+    ],
+)
+def test_what_the_tensorrt_llm_backend_would_ignore_or_fail_on_is_refused_here(pre, extra, field):
+    [out] = pre.process([request("Hello", **extra)])
+    assert isinstance(out, InputError) and out.field == field
+
+
+def test_beam_width_up_to_the_engines(tokenizer):
+    wide = Preprocessor(tokenizer, LIMITS, max_beam_width=4)
+    [out] = wide.process([request("Hello", BEAM_WIDTH=np.array([[4]], np.int32))])
+    assert not isinstance(out, InputError)
