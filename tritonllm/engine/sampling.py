@@ -15,6 +15,9 @@ part of its graph's key: a greedy step does not pay for sorting the vocabulary. 
 the host knows before the step's input token, which asynchronous batching is still generating when it
 prepares the step: the position a step generates (the manager's offset), and for bad words the tokens
 before the input token; the input token itself is compared on the device.
+
+The other generation controls (embedding bias, penalties, log probabilities: tritonllm/engine/controls.py; guided
+decoding: tritonllm/engine/guided.py) are argument groups too; `request_processors` orders them all.
 """
 
 from __future__ import annotations
@@ -101,18 +104,30 @@ class ArgumentGroup:
     kwargs: ClassVar[dict[str, type]]
     defaults: torch.Tensor  # int32 [rows, 1]: each row's default bit pattern
     active = False  # whether the step prepared last uses the group
+    # The step's scores have a row for each request in it, and padding rows under CUDA graphs, past the rows of the
+    # requests with a new token: their arguments are left from earlier steps. A group whose `apply` changes state
+    # (token counts) gets its defaults there.
+    clears_other_rows = False
 
     @property
     def rows(self) -> int:
         return self.defaults.shape[0]
 
-    def prepare(self, requests: list) -> torch.Tensor:
-        """int32 [rows, len(requests)] on the host."""
+    def prepare(self, requests: list) -> torch.Tensor | None:
+        """int32 [rows, len(requests)] on the host; None when no request uses the group (a cheaper way to say it
+        than rows of defaults)."""
         raise NotImplementedError
 
     def apply(self, scores: torch.Tensor, args: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """args: int32 [rows, scores.size(0)]; input_ids: each row's current input token, on the device."""
         raise NotImplementedError
+
+    def finish(self, scores: torch.Tensor) -> None:
+        """Called with the step's final scores (after every group) when the group is active."""
+
+    def key(self) -> object:
+        """What tells apart, in a CUDA graph's key, the processing this group captured; falsy when inactive."""
+        return self.active
 
 
 class ArgumentGroups(ContinuousBatchingLogitsProcessorList):
@@ -144,15 +159,17 @@ class ArgumentGroups(ContinuousBatchingLogitsProcessorList):
         requests = [r for r in requests_in_batch if r.has_new_token]  # processors see new tokens only
         for group, rows in self._spans():
             values = group.prepare(requests)
-            group.active = bool(values.ne(group.defaults).any())
+            group.active = values is not None and bool(values.ne(group.defaults).any())
             if group.active:
                 arg_storage[rows, : len(requests)] = values.to(arg_storage.device)
+                if group.clears_other_rows:
+                    arg_storage[rows, len(requests) :] = group.defaults.to(arg_storage.device)
         return arg_storage
 
     def graph_key(self, key: tuple) -> tuple:
         """The CUDA graph key of a step with shape `key`: the processing captured differs with the groups the
         step uses. A step that uses none keeps the manager's own key (its warm-up captures stay valid)."""
-        used = tuple(group.active for group in self.groups)
+        used = tuple(group.key() for group in self.groups)
         return (key, used) if any(used) else key
 
     # Outside compilation (EngineConfig.compile): the groups a step runs are read from the host each step, which
@@ -162,6 +179,9 @@ class ArgumentGroups(ContinuousBatchingLogitsProcessorList):
         for group, rows in self._spans():
             if group.active:
                 scores = group.apply(scores, logits_processor_args[rows, : scores.size(0)], input_ids)
+        for group in self.groups:
+            if group.active:
+                group.finish(scores)
         return scores
 
 
@@ -206,30 +226,36 @@ class Sampling(ArgumentGroup):
 
 
 class BadWords(ArgumentGroup):
-    """Bans, per request, the last token of each bad word whose other tokens were just generated.
+    """Bans, per request, the last token of each bad word whose other tokens were just generated, and the end id
+    while fewer than `min_tokens` tokens are generated (a one-token bad word then).
 
-    Two rows per word a request may give (`max_words`): the token to ban and the input token that must
-    precede it (-1: any). The host checks the word's earlier tokens against the tokens before the step's
-    input token; the input token itself is checked on the device, because with asynchronous batching the
+    Two rows per word a request may give (`max_words`, and one for the end id): the token to ban and the input
+    token that must precede it (-1: any). The host checks the word's earlier tokens against the tokens before the
+    step's input token; the input token itself is checked on the device, because with asynchronous batching the
     host prepares a step before the previous one has produced that token.
     """
 
-    kwargs: ClassVar[dict[str, type]] = {"bad_words": tuple}
+    kwargs: ClassVar[dict[str, type]] = {"bad_words": tuple, "min_tokens": int}
 
     def __init__(self, max_words: int) -> None:
-        self.max_words = max_words
-        self.defaults = torch.full((2 * max_words, 1), -1, dtype=torch.int32)
+        self.max_words = max_words + 1  # the end id's place
+        self.defaults = torch.full((2 * self.max_words, 1), -1, dtype=torch.int32)
 
-    def prepare(self, requests: list) -> torch.Tensor:
-        args = torch.full((self.rows, len(requests)), -1, dtype=torch.int32)
+    def prepare(self, requests: list) -> torch.Tensor | None:
+        args = None
         for column, future in enumerate(requests):
-            words = future.state.logit_processor_kwargs.get("bad_words")
+            kwargs = future.state.logit_processor_kwargs
+            words = kwargs.get("bad_words") or ()
+            if kwargs.get("min_tokens", 0) > generated_count(future.state):
+                words = (*words, (future.state.eos_token_id,))  # the manager's end id: one int (portable.py)
             if words:
                 # The step's input token sits at position_offset - 1; it may not have reached the host yet.
                 longest = max(len(w) for w in words)
                 before = tokens_before(future.state, future.state.position_offset - 1, longest - 2)
                 pairs = [(w[-1], w[-2] if len(w) > 1 else -1) for w in words if ends_with(before, w[:-2])]
                 if pairs:
+                    if args is None:
+                        args = torch.full((self.rows, len(requests)), -1, dtype=torch.int32)
                     banned, preceding = torch.tensor(pairs, dtype=torch.int32).T
                     args[: len(pairs), column] = banned
                     args[self.max_words : self.max_words + len(pairs), column] = preceding
@@ -241,9 +267,13 @@ class BadWords(ArgumentGroup):
         return ban(scores, torch.where(follows, banned, -1))
 
 
-def request_processors(max_words: int) -> ArgumentGroups:
-    """The engine's processors: bans first, so a sampling request draws from the tokens left to it."""
-    return ArgumentGroups([BadWords(max_words), Sampling()])
+def request_processors(
+    max_words: int, before_bans: Sequence[ArgumentGroup] = (), before_sampling: Sequence[ArgumentGroup] = ()
+) -> ArgumentGroups:
+    """The engine's processors: bans first, so a sampling request draws from the tokens left to it. The groups
+    `before_bans` (log probabilities, embedding bias, penalties) run ahead of them, `before_sampling` (a grammar's
+    mask) right after them."""
+    return ArgumentGroups([*before_bans, BadWords(max_words), *before_sampling, Sampling()])
 
 
 class ProcessorKeyedGraphs(CudaGraphBuffer):
@@ -275,6 +305,26 @@ def key_graphs_by_processors(inputs_and_outputs, processors: ArgumentGroups) -> 
             raise RuntimeError(f"transformers' step buffers changed: {type(io).__name__} has no CUDA graph store")
         io.graphs = ProcessorKeyedGraphs(io.graphs, processors)
     return [io.graphs for io in holders]
+
+
+def prompt_length(state) -> int:
+    """The request's own prompt length. When the manager restarts a request whose cache it had to drop, its
+    `initial_tokens` become the prompt and the tokens generated so far (`_true_initial_tokens` keeps the length)."""
+    return getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)
+
+
+def generated_count(state) -> int:
+    """Tokens the request had generated before the step being prepared (the manager has advanced
+    `position_offset` past the step's input tokens), known on the host before the step's input token is."""
+    return state.position_offset - prompt_length(state)
+
+
+def generated_tokens(state) -> list[int]:
+    """The tokens generated so far that reached the host (a restarted request's first ones are in its prompt)."""
+    true_prompt = getattr(state, "_true_initial_tokens", 0)
+    if true_prompt:
+        return state.initial_tokens[true_prompt:] + state.generated_tokens
+    return state.generated_tokens
 
 
 def tokens_before(state, end: int, count: int) -> list[int]:
