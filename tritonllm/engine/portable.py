@@ -3,7 +3,9 @@
 Requests join the running batch as they arrive (in-flight batching); the batching itself is
 transformers' `ContinuousBatchingManager`. This module adds what a serving engine needs around
 it, with TensorRT-LLM's semantics: per-request end id, stop and bad word sequences, seeded
-sampling, streaming of new tokens, cancellation, and a finish reason.
+sampling, penalties, embedding bias, log probabilities, guided decoding, streaming of new tokens,
+cancellation, and a finish reason. Each control is processing a step runs only when a request in it
+uses it (tritonllm/engine/sampling.py, controls.py, guided.py).
 """
 
 from __future__ import annotations
@@ -23,8 +25,18 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from tritonllm.engine import attention
-from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, check_request
+from tritonllm.engine.api import (
+    BlockingGenerate,
+    Emission,
+    EngineConfig,
+    GenerationRequest,
+    TokenLogProbs,
+    check_request,
+)
+from tritonllm.engine.checks import check_batching, check_controls
+from tritonllm.engine.controls import EmbeddingBias, LogProbs, Penalties, RequestSlots, attach_log_probs
 from tritonllm.engine.cpu_threads import on_fresh_thread, start_yielding
+from tritonllm.engine.guided import GuidedDecoding, Guides
 from tritonllm.engine.norms import fuse_rms_norms
 from tritonllm.engine.projections import merge_projections
 from tritonllm.engine.sampling import ends_with, key_graphs_by_processors, request_processors
@@ -55,6 +67,7 @@ class _Active:
     request: GenerationRequest
     emit: Callable[[Emission], None]
     tokens: list[int] = field(default_factory=list)  # generated so far, end id excluded
+    log_probs: list[TokenLogProbs] = field(default_factory=list)  # one per token of `tokens`, when asked
     seen: int = 0  # tokens of the manager's output already processed
     sent: int = 0  # tokens already emitted (streaming)
     submitted: float = field(default_factory=time.perf_counter)
@@ -115,8 +128,29 @@ class PortableEngine(BlockingGenerate):
         if varlen:
             # After the manager checked the implementation, before it allocates its step buffers (attention.py).
             self.model.set_attn_implementation(attention.register())
-        processors = request_processors(max_words=MAX_WORD_SEQUENCES)
+        self.vocab_size = logits_width(self.model)
+        device = self.model.device
+        self._slots = RequestSlots(self.vocab_size, config.max_batch_size, device)
+        self._log_probs = LogProbs(config.max_batch_size, device)
+        self.guides = Guides(config.model_dir, self.vocab_size)
+        self._guided = GuidedDecoding(self.guides, config.max_batch_size, device)
+        processors = request_processors(
+            MAX_WORD_SEQUENCES,
+            before_bans=[self._log_probs, EmbeddingBias(self._slots), Penalties(self._slots)],
+            before_sampling=[self._guided],
+        )
         self._manager.logit_processor = processors
+        create_batch_processor = self._manager._create_batch_processor
+
+        def create_and_attach():  # the manager makes its step buffers when it starts (or warms up)
+            processor = create_batch_processor()
+            ios = processor.inputs_and_outputs
+            self._slots.stream = self._guided.stream = ios.compute_stream
+            if not processor.use_async_batching:
+                attach_log_probs(ios, self._log_probs)
+            return processor
+
+        self._manager._create_batch_processor = create_and_attach
         self._graph_stores: list = []
         if config.cuda_graphs:
             # Capture the largest graphs now, which sizes their shared memory pool, rather than in the first
@@ -146,13 +180,17 @@ class PortableEngine(BlockingGenerate):
     # ------------------------------------------------------------------ requests
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
-        """Queue a request; `emit` is called from the engine's thread as tokens arrive."""
+        """Queue a request; `emit` is called from the engine's thread as tokens arrive. Raises InputError, naming
+        the input, for controls out of range or a guide that does not compile."""
+        check_controls(request, self.vocab_size)
         check_request(request)
+        check_batching(request, self.config.async_batching)
+        compiled = self.guides.compile(request.guide) if request.guide is not None else None
         request_id = f"r{next(self._ids)}"
         active = _Active(request, emit)
-        kwargs = request.sampling.as_kwargs()
-        if request.bad_words:
-            kwargs["bad_words"] = request.bad_words
+        kwargs = request_kwargs(request)
+        if compiled is not None:
+            self.guides.start(request_id, compiled, request.end_id)
         # Registered before the manager has it: the router may meet its first output before add_request returns.
         with self._lock:
             self._active[request_id] = active
@@ -173,15 +211,22 @@ class PortableEngine(BlockingGenerate):
         except Exception:
             with self._lock:
                 self._active.pop(request_id, None)  # not taken: it must not hold an admission slot
+            self._release(request_id)
             raise
         return request_id
+
+    def _release(self, request_id: str) -> None:
+        """Frees what a finished request held beside the manager: its device slot and its grammar matcher."""
+        self._slots.release(request_id)
+        self.guides.release(request_id)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request and free its place in the batch; it gets a final "cancelled" emission."""
         with self._lock:
             active = self._active.pop(request_id, None)
         if active is not None:
-            self._manager.cancel_request(request_id)
+            self._manager.cancel_request(request_id)  # before the release: the slot is freed once out of the batch
+            self._release(request_id)
             _finish(active, FINISH_CANCELLED)
 
     def running(self) -> int:
@@ -210,6 +255,7 @@ class PortableEngine(BlockingGenerate):
             self._active.clear()
         for request_id, active in pending:
             self._manager.cancel_request(request_id)
+            self._release(request_id)
             _finish(active, FINISH_ERROR, "the engine is shutting down")
         self._manager.stop(block=True, timeout=10)
         self._router.join(timeout=5)
@@ -242,12 +288,18 @@ class PortableEngine(BlockingGenerate):
         reason = None
         if output.timestamps:
             active.token_times = (output.timestamps[0], output.timestamps[-1])
-        for token in output.generated_tokens[active.seen :]:
+        log_probs = output.logprobs if request.log_probs >= 0 else None
+        for index in range(active.seen, len(output.generated_tokens)):
+            token = output.generated_tokens[index]
             active.seen += 1
             if token == request.end_id:
                 reason = FINISH_EOS
                 break
             active.tokens.append(token)
+            if log_probs is not None:
+                if index >= len(log_probs):
+                    raise RuntimeError(f"token {index} came without its log probabilities")
+                active.log_probs.append(log_probs[index])
             if any(ends_with(active.tokens, word) for word in request.stop_words):
                 reason = FINISH_STOP
                 self._manager.cancel_request(request_id)
@@ -260,33 +312,77 @@ class PortableEngine(BlockingGenerate):
         if reason is not None:
             self._drop(request_id, active, reason)
         elif request.streaming and len(active.tokens) > active.sent:
-            new = active.tokens[active.sent :]
-            active.sent = len(active.tokens)
-            active.emit(Emission(new))
+            start, active.sent = active.sent, len(active.tokens)
+            active.emit(Emission(active.tokens[start:], log_probs=_log_probs(active, start)))
 
     def _drop(self, request_id: str, active: _Active, reason: str, error: str | None = None) -> None:
         with self._lock:
             if self._active.pop(request_id, None) is None:
                 return  # already finished (cancelled concurrently)
+        self._release(request_id)
         _finish(active, reason, error)
 
     def _fail_all(self, error: str) -> None:
         with self._lock:
-            pending = list(self._active.values())
+            pending = list(self._active.items())
             self._active.clear()
-        for active in pending:
+        for request_id, active in pending:
+            self._release(request_id)
             _finish(active, FINISH_ERROR, error)
 
 
+def logits_width(model) -> int:
+    """The model's vocabulary as its logits have it (an output layer may be padded past the tokenizer's)."""
+    output = model.get_output_embeddings()
+    return output.weight.shape[0] if output is not None else model.config.get_text_config().vocab_size
+
+
+def request_kwargs(request: GenerationRequest) -> dict:
+    """The manager's per-request processor arguments (tritonllm/engine/sampling.py's groups) for `request`: only
+    the controls it uses, so that a step of requests without them skips their processing."""
+    kwargs = request.sampling.as_kwargs()
+    if request.bad_words:
+        kwargs["bad_words"] = request.bad_words
+    penalties = request.penalties
+    if penalties.repetition != 1.0:
+        kwargs["repetition_penalty"] = float(penalties.repetition)
+    if penalties.presence:
+        kwargs["presence_penalty"] = float(penalties.presence)
+    if penalties.frequency:
+        kwargs["frequency_penalty"] = float(penalties.frequency)
+    if penalties.min_tokens > 0 and request.end_id >= 0:
+        kwargs["min_tokens"] = int(penalties.min_tokens)
+    if request.embedding_bias:
+        kwargs["embedding_bias"] = tuple((int(t), float(v)) for t, v in request.embedding_bias)
+    if request.log_probs >= 0:
+        kwargs["log_probs"] = int(request.log_probs)
+    if request.guide is not None:
+        kwargs["guided"] = True
+    return kwargs
+
+
+def _log_probs(active: _Active, start: int) -> list[TokenLogProbs] | None:
+    return active.log_probs[start : len(active.tokens)] if active.request.log_probs >= 0 else None
+
+
 def _finish(active: _Active, reason: str, error: str | None = None) -> None:
-    tokens = active.tokens[active.sent :] if active.request.streaming else active.tokens
+    start = active.sent if active.request.streaming else 0
     active.sent = len(active.tokens)
     ttft = tpot = None
     if active.token_times is not None:
         first, last = active.token_times
         ttft = first - active.submitted
         tpot = (last - first) / (active.seen - 1) if active.seen > 1 else None
-    active.emit(Emission(list(tokens), reason, error, ttft, tpot))
+    active.emit(
+        Emission(
+            active.tokens[start:],
+            reason,
+            error,
+            log_probs=_log_probs(active, start),
+            time_to_first_token=ttft,
+            time_per_output_token=tpot,
+        )
+    )
 
 
 def compile_config(model_config) -> CompileConfig:

@@ -1,0 +1,208 @@
+"""Guided decoding with xgrammar (the grammar library TensorRT-LLM uses), as an argument group (sampling.py).
+
+A request's guide is compiled once per distinct (type, text), in `submit`, so that a grammar that does not
+compile fails that request alone; a matcher per request then follows its tokens. Before each step the host lets
+each guided request's matcher accept the tokens generated since the previous step and fills the request's row
+of a token bitmask (vocabulary / 32 int32 words); the step unpacks the bits with tensor operations and sets the
+disallowed tokens' logits to -inf. Once the grammar is complete the matcher allows only the stop token, which
+is the request's end id, so a guided request ends with FINISH_EOS.
+
+The host needs every token before it prepares the next step: asynchronous batching, which prepares a step before
+the previous one has produced its token, cannot guide (the engine refuses such requests there).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from tritonllm.engine.api import Guide
+from tritonllm.engine.sampling import ArgumentGroup, generated_tokens
+from tritonllm.errors import InputError
+
+log = logging.getLogger(__name__)
+
+GUIDE_FIELD = "guided_decoding_guide"
+BITS = [1 << i for i in range(31)] + [-(1 << 31)]  # each bit of an int32 word, as an int32
+COMPILED_GUIDES_KEPT = 256  # distinct grammars whose compilation is kept
+# xgrammar's errors start with a time stamp, its source file and line, and for checks the failed condition.
+_XGRAMMAR_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def _reason(exc: Exception) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return _XGRAMMAR_NOISE.sub("", lines[0]).strip() if lines else type(exc).__name__
+
+
+@dataclass
+class _Follower:
+    """A request's grammar matcher and how many of its generated tokens it has accepted."""
+
+    matcher: object
+    accepted: int = 0
+    lost: bool = False  # it refused a generated token: the request is no longer guided
+
+
+class Guides:
+    """Compiles guides (cached by type and text) and holds the matcher of each guided request in flight.
+
+    The tokenizer and xgrammar's compiler are loaded at the first guided request: an engine that never meets
+    one does not pay for them."""
+
+    def __init__(self, model_dir: str, vocab_size: int) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.compilations = 0  # grammars compiled so far (a repeated one is not compiled again)
+        self._compiler = None
+        self._setup = threading.Lock()
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._followers: dict[str, _Follower] = {}
+
+    def _compiler_ready(self):
+        with self._setup:
+            if self._compiler is None:
+                import xgrammar
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+                info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1))
+            return self._compiler
+
+    def compile(self, guide: Guide):
+        """The compiled grammar of `guide`; InputError naming guided_decoding_guide when it does not compile."""
+        key = (guide.type, "" if guide.type == "json" else guide.text)
+        with self._lock:
+            future = self._compiled.get(key)
+            owner = future is None
+            if owner:
+                future = self._compiled[key] = Future()
+                while len(self._compiled) > COMPILED_GUIDES_KEPT:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        if owner:
+            try:
+                future.set_result(self._compile(*key))
+            except Exception as exc:
+                future.set_exception(exc)
+        try:
+            return future.result()
+        except InputError as exc:
+            raise InputError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+
+    def _compile(self, kind: str, text: str):
+        compiler = self._compiler_ready()
+        self.compilations += 1
+        try:
+            if kind == "json":
+                return compiler.compile_builtin_json_grammar()
+            if kind == "json_schema":
+                # Compact JSON: a grammar that allows any whitespace lets a model run on in blanks.
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "ebnf_grammar":
+                return compiler.compile_grammar(text)
+        except Exception as exc:
+            raise InputError(GUIDE_FIELD, f"the {kind} guide does not compile: {_reason(exc)}") from None
+        raise InputError("guided_decoding_guide_type", f"unknown guide type {kind!r}")
+
+    def start(self, request_id: str, compiled, end_id: int) -> None:
+        """Follows a request's tokens with a matcher of `compiled`; its stop token is the request's end id (the
+        tokenizer's end-of-sequence tokens for a request that has none)."""
+        import xgrammar
+
+        stop = [end_id] if 0 <= end_id < self.vocab_size else None
+        follower = _Follower(xgrammar.GrammarMatcher(compiled, override_stop_tokens=stop))
+        with self._lock:
+            self._followers[request_id] = follower
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self._followers.pop(request_id, None)
+
+    def follower(self, request_id: str) -> _Follower | None:
+        return self._followers.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._followers)
+
+
+class GuidedDecoding(ArgumentGroup):
+    """Masks each guided request's logits with its matcher's token bitmask. Row: whether the request is guided;
+    the bitmask rows live in a buffer of their own, a row per logit row."""
+
+    kwargs: ClassVar[dict[str, type]] = {"guided": bool}
+    defaults = torch.tensor([[0]], dtype=torch.int32)
+
+    def __init__(self, guides: Guides, max_rows: int, device: torch.device | str) -> None:
+        self.guides = guides
+        self.max_rows = max_rows
+        self.device = torch.device(device)
+        self.stream = None  # the manager's compute stream, once it has one
+        words = (guides.vocab_size + 31) // 32
+        self.host_mask = torch.zeros(max_rows, words, dtype=torch.int32)
+        self.mask = self.host_mask if self.device.type == "cpu" else torch.zeros_like(self.host_mask, device=device)
+        self.bits = torch.tensor(BITS, dtype=torch.int32, device=device)
+
+    def prepare(self, requests: list) -> torch.Tensor | None:
+        columns = []
+        for column, future in enumerate(requests):
+            if not future.state.logit_processor_kwargs.get("guided"):
+                continue
+            follower = self.guides.follower(future.state.request_id)
+            if follower is None or not self._follow(future.state, follower):
+                continue
+            if column >= self.max_rows:
+                raise RuntimeError(f"a step of more than {self.max_rows} requests with a new token")
+            self._fill(follower, column)
+            columns.append(column)
+        if not columns:
+            return None
+        rows = max(columns) + 1
+        if self.mask is not self.host_mask:
+            # On the compute stream: after the step in flight, before the step that reads it.
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                self.mask[:rows].copy_(self.host_mask[:rows])
+        args = torch.zeros(1, len(requests), dtype=torch.int32)
+        args[0, columns] = 1
+        return args
+
+    def _follow(self, state, follower: _Follower) -> bool:
+        """Lets the matcher accept the tokens generated since the last step; False when it lost the request."""
+        if follower.lost:
+            return False
+        matcher = follower.matcher
+        for token in generated_tokens(state)[follower.accepted :]:
+            # A terminated matcher took its stop token; what follows (only stop tokens) is not its to take.
+            if not matcher.is_terminated() and not matcher.accept_token(token):
+                log.warning("request %s: its grammar refuses token %d; it goes on unguided", state.request_id, token)
+                follower.lost = True
+                return False
+            follower.accepted += 1
+        return True
+
+    def _fill(self, follower: _Follower, column: int) -> None:
+        matcher = follower.matcher
+        if matcher.is_terminated():  # its stop token was taken and the request goes on: only stop tokens again
+            self.host_mask[column].zero_()
+            for token in matcher.stop_token_ids:
+                self.host_mask[column, token // 32] |= BITS[token % 32]
+        else:
+            matcher.fill_next_token_bitmask(self.host_mask, column)
+
+    def apply(self, scores: torch.Tensor, args: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        rows, vocab = scores.shape
+        allowed = (self.mask[:rows].unsqueeze(-1) & self.bits).ne(0).view(rows, -1)[:, :vocab]
+        return scores.masked_fill((args[0] != 0).unsqueeze(-1) & ~allowed, float("-inf"))
