@@ -10,6 +10,10 @@ and it sends back everything its engine emitted since its previous message in on
 
 The child ends when its connection does: when the stub stops, or dies, the socket closes and the
 child exits, so no orphan keeps the GPU's memory.
+
+Requests, emissions and their generation controls travel pickled. The stub refuses out-of-range controls itself,
+from the limits the child reports when it is ready (the vocabulary, whether it batches asynchronously); a guide
+only the child can compile, so `submit` waits for the child's answer to a guided request.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, check_request
-from tritonllm.errors import EngineFailure
+from tritonllm.engine.checks import check_batching, check_controls
+from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_ERROR
 
 LOAD_PERIOD = 0.2  # seconds between the child's load reports while it emits nothing
@@ -35,6 +40,21 @@ LOAD_PERIOD = 0.2  # seconds between the child's load reports while it emits not
 
 class EngineProcessError(EngineFailure):
     """The engine's process failed to start, or ended."""
+
+
+# The child's answers to a submit, sent among its emissions as plain tuples (the child runs this module as
+# __main__, whose classes the parent could not unpickle): ("admitted",) when its engine queued a request the parent
+# waits on (a guided one); ("refused", field, message) when its engine's `submit` raised InputError.
+ADMITTED = "admitted"
+REFUSED = "refused"
+
+
+class _Admission:
+    """A parent's `submit` waiting for the child's answer."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.answer: tuple = ()  # empty: the request ended (or the child did) before an answer
 
 
 class EngineProcess(BlockingGenerate):
@@ -55,6 +75,8 @@ class EngineProcess(BlockingGenerate):
         self._ids = itertools.count()
         self._load = (0, 0)  # the child's latest (requests in the batch, CUDA graphs held)
         self._ended: str | None = None  # why the child is gone, once it is
+        self._admissions: dict[str, _Admission] = {}
+        self._limits: dict = {}  # what the child's engine takes (its vocabulary, asynchronous batching)
         self._send(("config", config))
         try:
             answer = self._conn.recv()
@@ -63,22 +85,34 @@ class EngineProcess(BlockingGenerate):
         if answer[0] != "ready":
             self._process.wait()
             raise EngineProcessError(f"the engine's process failed to start: {answer[1]}")
+        self._limits = answer[1] if len(answer) > 1 else {}
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
         self._reader.start()
 
     # ------------------------------------------------------------------ PortableEngine's interface
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        check_controls(request, self._limits.get("vocab_size"))
         check_request(request)
+        check_batching(request, self._limits.get("async_batching", False))
         request_id = f"p{next(self._ids)}"
+        admission = _Admission() if request.guide is not None else None
         with self._lock:
             ended = self._ended
             if ended is None:
                 self._emits[request_id] = emit
+                if admission is not None:
+                    self._admissions[request_id] = admission
         if ended is not None:
             emit(Emission([], FINISH_ERROR, ended))
             return request_id
         self._send(("submit", request_id, request))
+        if admission is not None:
+            admission.done.wait()  # the child compiles the guide, or its end fails the request
+            if admission.answer[:1] == (REFUSED,):
+                with self._lock:
+                    self._emits.pop(request_id, None)
+                raise InputError(*admission.answer[1:])
         return request_id
 
     def cancel(self, request_id: str) -> None:
@@ -124,18 +158,41 @@ class EngineProcess(BlockingGenerate):
             except (EOFError, OSError):
                 break
             for request_id, emission in emissions:
+                if not isinstance(emission, Emission):
+                    self._answered(request_id, emission)
+                    continue
                 with self._lock:
                     emit = self._emits.pop(request_id) if emission.final else self._emits.get(request_id)
+                    admission = self._admissions.pop(request_id, None) if emission.final else None
                 if emit is not None:
                     emit(emission)
+                if admission is not None:  # it failed in the child's submit: `emit` has its error
+                    admission.done.set()
         code = self._process.wait()
         reason = "the engine's process has stopped" if code == 0 else f"the engine's process exited with code {code}"
         with self._lock:
             self._ended = reason
             pending = list(self._emits.values())
             self._emits.clear()
+            waiting = list(self._admissions.values())
+            self._admissions.clear()
+        for admission in waiting:
+            admission.done.set()
         for emit in pending:
             emit(Emission([], FINISH_ERROR, reason))
+
+    def _answered(self, request_id: str, answer: tuple) -> None:
+        """The child's answer to a submit: to the `submit` waiting on it, or, refused when none waits (the parent
+        checks what the child would refuse), to the request as an error."""
+        refused = answer[0] == REFUSED
+        with self._lock:
+            admission = self._admissions.pop(request_id, None)
+            emit = self._emits.pop(request_id, None) if admission is None and refused else None
+        if admission is not None:
+            admission.answer = answer
+            admission.done.set()
+        elif emit is not None:
+            emit(Emission([], FINISH_ERROR, f"{answer[1]}: {answer[2]}"))
 
 
 # ---------------------------------------------------------------------- the child
@@ -166,7 +223,7 @@ def serve(conn: Connection) -> int:
         return emit
 
     sender = threading.Thread(target=_send_emissions, args=(conn, outgoing, engine), name="engine-process-sender")
-    conn.send(("ready",))
+    conn.send(("ready", {"vocab_size": engine.vocab_size, "async_batching": engine.config.async_batching}))
     sender.start()
     while True:
         try:
@@ -178,8 +235,13 @@ def serve(conn: Connection) -> int:
             try:
                 with submitting:
                     engine_ids[request_id] = engine.submit(request, emitter(request_id))
+            except InputError as exc:
+                outgoing.put((request_id, (REFUSED, exc.field, str(exc).removeprefix(f"{exc.field}: "))))
             except Exception as exc:
                 outgoing.put((request_id, Emission([], FINISH_ERROR, str(exc))))
+            else:
+                if request.guide is not None:
+                    outgoing.put((request_id, (ADMITTED,)))
         elif message[0] == "cancel":
             if (engine_id := engine_ids.get(message[1])) is not None:
                 engine.cancel(engine_id)
