@@ -1,0 +1,210 @@
+"""Guided decoding in the portable engine (xgrammar): JSON, JSON schema, regular expression and EBNF guides give
+output in their language and end on the end id; a guide that does not compile fails its request alone, and a
+repeated guide is compiled once."""
+
+import json
+import re
+import threading
+from types import SimpleNamespace
+
+import jsonschema
+import pytest
+import torch
+import xgrammar
+
+from tritonllm.engine.api import EngineConfig, GenerationRequest, Guide, SamplingParams
+from tritonllm.engine.guided import GuidedDecoding
+from tritonllm.engine.portable import PortableEngine
+from tritonllm.errors import InputError
+from tritonllm.protocol import FINISH_EOS
+
+
+@pytest.fixture(scope="module")
+def engine(manifest):
+    eng = PortableEngine(
+        EngineConfig(
+            manifest["model_dir"], dtype=manifest["dtype"], max_batch_size=8, max_seq_len=1024, kv_cache_tokens=8192
+        )
+    )
+    eng.generate(GenerationRequest([0] * 8, 2), timeout=300)
+    yield eng
+    eng.shutdown()
+
+
+def chat_ids(tokenizer, text):
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+
+
+def guided(engine, tokenizer, prompt: str, guide: Guide, n: int = 48, **kwargs) -> tuple[str, str]:
+    request = GenerationRequest(chat_ids(tokenizer, prompt), n, end_id=tokenizer.eos_token_id, guide=guide, **kwargs)
+    tokens, reason = engine.generate(request, timeout=180)
+    return tokenizer.decode(tokens), reason
+
+
+SCHEMAS = [
+    (
+        "Describe a person as JSON with name and age.",
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0}},
+            "required": ["name", "age"],
+            "additionalProperties": False,
+        },
+    ),
+    (
+        "Is the sky blue? Answer in JSON.",
+        {
+            "type": "object",
+            "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {"type": "number"}},
+            "required": ["answer", "confidence"],
+            "additionalProperties": False,
+        },
+    ),
+    (
+        "Give me a few prime numbers as a JSON array.",
+        {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+    ),
+    (
+        "What is the capital of France? Answer in JSON.",
+        {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "capital": {"type": "boolean"},
+            },
+            "required": ["city", "capital"],
+            "additionalProperties": False,
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(("prompt", "schema"), SCHEMAS)
+def test_json_schema_output_validates(engine, tokenizer, prompt, schema):
+    text, reason = guided(engine, tokenizer, prompt, Guide("json_schema", json.dumps(schema)))
+    assert reason == FINISH_EOS  # the grammar complete, only the end id was left
+    jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_guide_gives_json(engine, tokenizer):
+    text, reason = guided(engine, tokenizer, "Describe a person as JSON with name and age.", Guide("json"))
+    assert reason == FINISH_EOS
+    json.loads(text)
+
+
+@pytest.mark.parametrize(
+    "pattern", [r"(yes|no)", r"[0-9]{3}-[0-9]{4}", r"\d{4}-\d{2}-\d{2}", r"(Paris|London|Rome), [A-Z][a-z]{2,12}\."]
+)
+def test_regex_output_matches(engine, tokenizer, pattern):
+    text, reason = guided(engine, tokenizer, "What is the capital of France?", Guide("regex", pattern), n=24)
+    assert reason == FINISH_EOS
+    assert re.fullmatch(pattern, text), text
+
+
+@pytest.mark.parametrize(
+    ("grammar", "language"),
+    [
+        ('root ::= "The answer is " ("yes" | "no") "."', r"The answer is (yes|no)\."),
+        (
+            'root ::= city ", " country\ncity ::= [A-Z] [a-z]{1,10}\ncountry ::= "France" | "Italy" | "Spain"',
+            r"[A-Z][a-z]{1,10}, (France|Italy|Spain)",
+        ),
+    ],
+)
+def test_ebnf_output_is_in_the_language(engine, tokenizer, grammar, language):
+    text, reason = guided(engine, tokenizer, "Where is Paris?", Guide("ebnf_grammar", grammar), n=24)
+    assert reason == FINISH_EOS
+    assert re.fullmatch(language, text), text
+
+
+def test_sampled_output_keeps_to_the_guide(engine, tokenizer):
+    pattern = r"[a-z]{2,8}( [a-z]{2,8}){2}\."
+    for seed in range(3):
+        sampling = SamplingParams(sample=True, temperature=1.5, top_k=0, top_p=1.0, seed=seed)
+        text, reason = guided(engine, tokenizer, "Say three words.", Guide("regex", pattern), n=32, sampling=sampling)
+        assert reason == FINISH_EOS and re.fullmatch(pattern, text), text
+
+
+def test_streaming_and_concurrent_guided_requests_each_keep_their_guide(engine, tokenizer):
+    guides = [
+        Guide("regex", r"(yes|no)"),
+        Guide("json_schema", json.dumps(SCHEMAS[2][1])),
+        Guide("ebnf_grammar", 'root ::= "The answer is " ("yes" | "no") "."'),
+        Guide("json"),
+    ]
+    prompt = chat_ids(tokenizer, "Is Paris in France?")
+    requests = [GenerationRequest(prompt, 32, end_id=tokenizer.eos_token_id, guide=g) for g in guides]
+    alone = [engine.generate(r, timeout=180) for r in requests]
+    results: list = [None] * len(requests)
+    finished = threading.Semaphore(0)
+    for i, request in enumerate(requests):
+        streamed: list = []
+
+        def emit(e, i=i, streamed=streamed):
+            streamed.append(e)
+            if e.final:
+                results[i] = ([t for x in streamed for t in x.token_ids], e.finish_reason)
+                finished.release()
+
+        engine.submit(
+            GenerationRequest(request.input_ids, 32, end_id=request.end_id, guide=request.guide, streaming=bool(i % 2)),
+            emit,
+        )
+    for _ in requests:
+        assert finished.acquire(timeout=300)
+    assert results == alone
+    assert len(engine.guides) == 0  # every matcher released
+
+
+@pytest.mark.parametrize(
+    "guide",
+    [
+        Guide("regex", "[a-"),
+        Guide("ebnf_grammar", 'root ::= "a" | '),
+        Guide("ebnf_grammar", 'start ::= "a"'),  # no root rule
+        Guide("json_schema", "not json"),
+        Guide("json_schema", json.dumps({"type": "nope"})),
+    ],
+)
+def test_a_guide_that_does_not_compile_fails_its_request_alone(engine, tokenizer, guide):
+    with pytest.raises(InputError) as refused:
+        engine.submit(GenerationRequest([1, 2, 3], 8, guide=guide), lambda e: None)
+    assert refused.value.field == "guided_decoding_guide"
+    assert f"the {guide.type} guide does not compile" in str(refused.value)
+    assert "/project/" not in str(refused.value)  # xgrammar's source location is left out
+    assert engine.running() == 0 and len(engine.guides) == 0
+    assert engine.generate(GenerationRequest(chat_ids(tokenizer, "Hi"), 3, end_id=-1), timeout=60)[1]
+
+
+def test_a_repeated_guide_is_compiled_once(engine, tokenizer):
+    guide = Guide("regex", r"(red|green|blue|yellow)")
+    before = engine.guides.compilations
+    outputs = [guided(engine, tokenizer, "Name a color.", guide, n=8) for _ in range(2)]
+    threads = [threading.Thread(target=guided, args=(engine, tokenizer, "Name a color.", guide, 8)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert engine.guides.compilations == before + 1
+    assert outputs[0] == outputs[1]
+    bad = Guide("regex", "(unclosed")
+    for _ in range(2):
+        with pytest.raises(InputError):
+            engine.submit(GenerationRequest([1], 4, guide=bad), lambda e: None)
+    assert engine.guides.compilations == before + 2
+
+
+def test_the_mask_unpacks_xgrammars_bits():
+    """The step's tensor unpacking agrees with xgrammar's own kernel, for guided rows only."""
+    vocab = 100
+    group = GuidedDecoding(SimpleNamespace(vocab_size=vocab), max_rows=3, device="cpu")
+    group.mask.copy_(torch.randint(-(2**31), 2**31 - 1, group.mask.shape, dtype=torch.int32))
+    scores = torch.randn(3, vocab)
+    out = group.apply(scores.clone(), torch.tensor([[1, 0, 1]], dtype=torch.int32), torch.zeros(3))
+    expected = scores.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, group.mask, indices=[0, 2])
+    assert torch.equal(out, expected)
