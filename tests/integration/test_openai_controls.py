@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -225,20 +226,23 @@ def test_json_schema_output_always_parses_and_validates(api, model, name, stream
         "Which colors do you like?",
         "Give me some numbers.",
     ]
-    for i, prompt in enumerate(prompts):
+
+    def one(i: int) -> str:
         options = {"response_format": form, "max_tokens": 200, "temperature": 0.8, "seed": i}
         if stream:
-            text = "".join(c.choices[0].delta.content or "" for c in stream_chat(api, model, prompt, **options))
-        else:
-            answer = chat(api, model, prompt, **options).choices[0]
-            assert answer.finish_reason == "stop", answer.message.content
-            text = answer.message.content
-        jsonschema.validate(json.loads(text), schema)
+            return "".join(c.choices[0].delta.content or "" for c in stream_chat(api, model, prompts[i], **options))
+        answer = chat(api, model, prompts[i], **options).choices[0]
+        assert answer.finish_reason == "stop", answer.message.content
+        return answer.message.content
+
+    with ThreadPoolExecutor(len(prompts)) as pool:  # together: the engine batches them
+        for text in pool.map(one, range(len(prompts))):
+            jsonschema.validate(json.loads(text), schema)
 
 
 def test_json_object_parses(api, model):
-    for seed in range(3):
-        answer = chat(
+    def one(seed: int):
+        return chat(
             api,
             model,
             "Describe Paris as JSON.",
@@ -246,9 +250,12 @@ def test_json_object_parses(api, model):
             max_tokens=300,
             temperature=0.7,
             seed=seed,
-        )
-        assert answer.choices[0].finish_reason == "stop"
-        assert isinstance(json.loads(answer.choices[0].message.content), dict | list | str | int | float | bool)
+        ).choices[0]
+
+    with ThreadPoolExecutor(3) as pool:
+        for answer in pool.map(one, range(3)):
+            assert answer.finish_reason == "stop"
+            assert isinstance(json.loads(answer.message.content), dict | list | str | int | float | bool)
 
 
 def test_response_format_text_is_plain(api, model):
@@ -259,10 +266,13 @@ NAMED = {"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function"
 
 
 def test_a_named_tool_call_follows_its_schema(api, model):
-    for seed in range(3):
-        choice = chat(
-            api, model, "What's the weather in Paris?", max_tokens=120, temperature=0.7, seed=seed, **NAMED
-        ).choices[0]
+    def one(seed: int):
+        prompt = "What's the weather in Paris?"
+        return chat(api, model, prompt, max_tokens=120, temperature=0.7, seed=seed, **NAMED).choices[0]
+
+    with ThreadPoolExecutor(3) as pool:
+        choices = list(pool.map(one, range(3)))
+    for choice in choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         (call,) = choice.message.tool_calls
         assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
@@ -299,15 +309,19 @@ def test_tool_choice_required(api, model, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_auto_answers_content_or_parsed_calls(api, model, stream):
     names = {"get_weather"}
-    for prompt in ("What's the weather in Paris?", "Hello, how are you?"):
+
+    def one(prompt: str):
         if stream:
-            chunks = stream_chat(api, model, prompt, tools=[WEATHER], max_tokens=100)
+            chunks = stream_chat(api, model, prompt, tools=[WEATHER], max_tokens=48)
             content = "".join(c.choices[0].delta.content or "" for c in chunks)
             calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
-            finish = chunks[-1].choices[0].finish_reason
-        else:
-            choice = chat(api, model, prompt, tools=[WEATHER], max_tokens=100).choices[0]
-            content, calls, finish = choice.message.content, choice.message.tool_calls or [], choice.finish_reason
+            return content, calls, chunks[-1].choices[0].finish_reason
+        choice = chat(api, model, prompt, tools=[WEATHER], max_tokens=48).choices[0]
+        return choice.message.content, choice.message.tool_calls or [], choice.finish_reason
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(one, ("What's the weather in Paris?", "Hello, how are you?")))
+    for content, calls, finish in answers:
         if calls:
             assert finish == "tool_calls"
             for call in calls:
