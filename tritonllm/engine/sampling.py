@@ -157,8 +157,10 @@ class ArgumentGroups(ContinuousBatchingLogitsProcessorList):
 
     def prepare_tensor_args(self, requests_in_batch: list, arg_storage: torch.Tensor) -> torch.Tensor:
         requests = [r for r in requests_in_batch if r.has_new_token]  # processors see new tokens only
+        # A group no request of the step passes arguments to is not asked: a plain step costs one pass here.
+        passed = set().union(*(r.state.logit_processor_kwargs for r in requests))
         for group, rows in self._spans():
-            values = group.prepare(requests)
+            values = group.prepare(requests) if passed.intersection(group.kwargs) else None
             group.active = values is not None and bool(values.ne(group.defaults).any())
             if group.active:
                 arg_storage[rows, : len(requests)] = values.to(arg_storage.device)
