@@ -37,7 +37,8 @@ def float_bits(values: list[float]) -> torch.Tensor:
 
 class RequestSlots:
     """Device rows of per-request state: counts of the generated tokens, a mask of the prompt's, the embedding
-    bias. Row `capacity` is scratch, where rows without a slot read and write.
+    bias. Two more rows serve the step's rows without a slot: `scratch` takes the counts they would add, `zero`
+    (never written) is what they read, which leaves their scores as they are.
 
     Slots are taken and filled on the generation thread; any thread releases one (`release`), and the generation
     thread frees it at a later step that no longer holds its request. Device work is queued on the manager's
@@ -54,9 +55,17 @@ class RequestSlots:
         self._released: list[str] = []
         self._releasing: set[str] = set()
         self._lock = threading.Lock()
-        self.counts: torch.Tensor | None = None  # float32 [capacity + 1, vocab]
-        self.prompt: torch.Tensor | None = None  # bool [capacity + 1, vocab]
-        self.bias: torch.Tensor | None = None  # float32 [capacity + 1, vocab]
+        self.counts: torch.Tensor | None = None  # float32 [capacity + 2, vocab]
+        self.prompt: torch.Tensor | None = None  # bool [capacity + 2, vocab]
+        self.bias: torch.Tensor | None = None  # float32 [capacity + 2, vocab]
+
+    @property
+    def scratch(self) -> int:
+        return self.capacity
+
+    @property
+    def zero(self) -> int:
+        return self.capacity + 1
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -66,13 +75,13 @@ class RequestSlots:
 
     def _allocate(self, capacity: int) -> None:
         """Tensors for `capacity` slots, with the slots held so far copied over."""
-        rows = capacity + 1
+        rows = capacity + 2
         counts = torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device)
         prompt = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
         bias = torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device)
         held = 0
         if self.counts is not None:
-            held = self.capacity  # every slot is taken (the old scratch row is not carried)
+            held = self.capacity  # every slot is taken (the old scratch and zero rows are not carried)
             counts[:held], prompt[:held], bias[:held] = self.counts[:held], self.prompt[:held], self.bias[:held]
         self._free.extend(range(capacity - 1, held - 1, -1))  # popped lowest first
         self.counts, self.prompt, self.bias, self.capacity = counts, prompt, bias, capacity
@@ -158,8 +167,7 @@ class EmbeddingBias(ArgumentGroup):
 
     def apply(self, scores: torch.Tensor, args: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         slot = args[0]
-        rows = self.slots.bias.index_select(0, torch.where(slot >= 0, slot, self.slots.capacity))
-        return scores + torch.where((slot >= 0).unsqueeze(-1), rows, 0.0)
+        return scores + self.slots.bias.index_select(0, torch.where(slot >= 0, slot, self.slots.zero))
 
     def key(self) -> object:
         return self.active and ("bias", self.slots.key())
@@ -169,7 +177,8 @@ class Penalties(ArgumentGroup):
     """Repetition (transformers' RepetitionPenaltyLogitsProcessor over the prompt and the generated tokens),
     presence and frequency (OpenAI's: logit -= presence * [count > 0] + frequency * count over the generated
     tokens) penalties. Rows: slot, whether the input token is a generated one (then it is counted first), and the
-    three penalties' float32 bits."""
+    three penalties' float32 bits. A step computes the repetition penalty only when a request in it has one, and
+    likewise presence and frequency: each is a few passes over the step's scores."""
 
     kwargs: ClassVar[dict[str, type]] = {
         "repetition_penalty": float,
@@ -181,6 +190,7 @@ class Penalties(ArgumentGroup):
 
     def __init__(self, slots: RequestSlots) -> None:
         self.slots = slots
+        self._repetition = self._additive = False  # which parts the step prepared last computes
 
     def prepare(self, requests: list) -> torch.Tensor | None:
         self.slots.begin_step(requests)
@@ -203,6 +213,8 @@ class Penalties(ArgumentGroup):
             return None
         args = self.defaults.repeat(1, len(requests))
         index, slots, counted, repetition, presence, frequency = zip(*columns, strict=True)
+        self._repetition = any(r != 1.0 for r in repetition)
+        self._additive = any(presence) or any(frequency)
         index = torch.tensor(index)
         args[0, index] = torch.tensor(slots, dtype=torch.int32)
         args[1, index] = torch.tensor(counted, dtype=torch.int32)
@@ -211,24 +223,32 @@ class Penalties(ArgumentGroup):
 
     def apply(self, scores: torch.Tensor, args: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         slot, counted = args[0], args[1]
-        repetition, presence, frequency = (row.view(torch.float32).unsqueeze(-1) for row in args[2:])
-        scratch = self.slots.capacity
+        slots, counts = self.slots, self.slots.counts
         has_slot = slot >= 0
-        counts = self.slots.counts
-        # A flat scatter-add: atomic adds of fixed shape, which CUDA graphs capture (rows not counting add to scratch).
-        counted_rows = torch.where(has_slot & (counted > 0), slot, scratch).long()
-        flat = counted_rows * counts.size(1) + input_ids.long()
+        # A flat scatter-add: atomic adds of fixed shape, which CUDA graphs capture.
+        written = torch.where(has_slot & (counted > 0), slot, slots.scratch).long()
+        flat = written * counts.size(1) + input_ids.long()
         counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype))
-        rows = torch.where(has_slot, slot, scratch)
+        # Rows without penalties read the zero row and neutral penalties: their scores come out unchanged.
+        rows = torch.where(has_slot, slot, slots.zero)
         count = counts.index_select(0, rows)
         seen = count > 0
-        repeated = seen | self.slots.prompt.index_select(0, rows)
-        penalised = torch.where(repeated, torch.where(scores < 0, scores * repetition, scores / repetition), scores)
-        penalised = penalised - frequency * count - presence * seen.float()
-        return torch.where(has_slot.unsqueeze(-1), penalised, scores)
+        if self._repetition:
+            repetition = args[2].view(torch.float32).unsqueeze(-1)
+            repeated = seen | slots.prompt.index_select(0, rows)
+            # transformers' where(score < 0, score * penalty, score / penalty), without a select on the scores'
+            # signs (a branch per element on the CPU): for a penalty >= 1 that is the smaller of the two, else the
+            # larger, the same values.
+            scaled, divided = scores * repetition, scores / repetition
+            penalised = torch.where(repetition >= 1, torch.minimum(scaled, divided), torch.maximum(scaled, divided))
+            scores = torch.where(repeated, penalised, scores)
+        if self._additive:
+            presence, frequency = (row.view(torch.float32).unsqueeze(-1) for row in args[3:])
+            scores = scores - (frequency * count + presence * seen)
+        return scores
 
     def key(self) -> object:
-        return self.active and ("penalties", self.slots.key())
+        return self.active and ("penalties", self._repetition, self._additive, self.slots.key())
 
 
 class LogProbs(ArgumentGroup):
