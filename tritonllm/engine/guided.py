@@ -96,6 +96,10 @@ class Guides:
                 future.set_result(self._compile(*key))
             except Exception as exc:
                 future.set_exception(exc)
+                if not isinstance(exc, InputError):  # not the guide's fault (the tokenizer's, say): not kept
+                    with self._lock:
+                        if self._compiled.get(key) is future:
+                            del self._compiled[key]
         try:
             return future.result()
         except InputError as exc:
@@ -103,7 +107,8 @@ class Guides:
 
     def _compile(self, kind: str, text: str):
         compiler = self._compiler_ready()
-        self.compilations += 1
+        with self._lock:
+            self.compilations += 1
         try:
             if kind == "json":
                 return compiler.compile_builtin_json_grammar()
