@@ -9,35 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.unit.engine.conftest import chat_ids
 from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.checks import check_batching
 from tritonllm.engine.controls import RequestSlots
-from tritonllm.engine.portable import PortableEngine
 from tritonllm.engine.process import EngineProcess
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_EOS, FINISH_LENGTH, MAX_TOP_LOG_PROBS
 
 N = 16  # tokens per request: enough for penalties to change the text, short enough for a 2-core host
-
-
-@pytest.fixture(scope="module")
-def engine(manifest):
-    eng = PortableEngine(
-        EngineConfig(
-            manifest["model_dir"], dtype=manifest["dtype"], max_batch_size=8, max_seq_len=1024, kv_cache_tokens=8192
-        )
-    )
-    eng.generate(GenerationRequest([0] * 8, 2), timeout=300)
-    yield eng
-    eng.shutdown()
-
-
-def chat_ids(tokenizer, text):
-    return list(
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    )
 
 
 @pytest.fixture(scope="module")

@@ -12,31 +12,11 @@ import pytest
 import torch
 import xgrammar
 
-from tritonllm.engine.api import EngineConfig, GenerationRequest, Guide, SamplingParams
+from tests.unit.engine.conftest import chat_ids
+from tritonllm.engine.api import GenerationRequest, Guide, SamplingParams
 from tritonllm.engine.guided import GuidedDecoding
-from tritonllm.engine.portable import PortableEngine
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_EOS
-
-
-@pytest.fixture(scope="module")
-def engine(manifest):
-    eng = PortableEngine(
-        EngineConfig(
-            manifest["model_dir"], dtype=manifest["dtype"], max_batch_size=8, max_seq_len=1024, kv_cache_tokens=8192
-        )
-    )
-    eng.generate(GenerationRequest([0] * 8, 2), timeout=300)
-    yield eng
-    eng.shutdown()
-
-
-def chat_ids(tokenizer, text):
-    return list(
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    )
 
 
 def guided(engine, tokenizer, prompt: str, guide: Guide, n: int = 48, **kwargs) -> tuple[str, str]:
