@@ -70,6 +70,9 @@ class TimedTargets:
     async def slow(self, i: int) -> Record:
         return await self._wait(0.04)
 
+    def sender(self, name: str):
+        return getattr(self, name)
+
     async def _wait(self, seconds: float) -> Record:
         start = time.perf_counter()
         await asyncio.sleep(seconds)
