@@ -220,12 +220,8 @@ def test_logprobs_with_n_and_usage_in_a_stream(api, model):
 def test_json_schema_output_always_parses_and_validates(api, model, name, stream):
     schema = SCHEMAS[name]
     form = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
-    prompts = [
-        f"Answer in JSON: {name}.",
-        "Describe a person as JSON.",
-        "Which colors do you like?",
-        "Give me some numbers.",
-    ]
+    prompts = [f"Answer in JSON: {name}.", "Describe a person as JSON.", "Which colors do you like?"]
+    prompts = prompts[:1] if stream else prompts  # streamed text is the same text: one prompt shows it
 
     def one(i: int) -> str:
         options = {"response_format": form, "max_tokens": 200, "temperature": 0.8, "seed": i}
@@ -252,8 +248,8 @@ def test_json_object_parses(api, model):
             seed=seed,
         ).choices[0]
 
-    with ThreadPoolExecutor(3) as pool:
-        for answer in pool.map(one, range(3)):
+    with ThreadPoolExecutor(2) as pool:
+        for answer in pool.map(one, range(2)):
             assert answer.finish_reason == "stop"
             assert isinstance(json.loads(answer.message.content), dict | list | str | int | float | bool)
 
@@ -374,7 +370,7 @@ def test_penalties_take_effect(api, model, control):
 
 def test_top_k_one_is_greedy_whatever_the_temperature(api, model):
     greedy = completion_text(api, model, "Once upon a time", max_tokens=16)
-    for seed in range(3):
+    for seed in range(2):
         options = {"temperature": 1.8, "seed": seed, "extra_body": {"top_k": 1}}
         assert completion_text(api, model, "Once upon a time", max_tokens=16, **options) == greedy
     sampled = {
