@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
 from tritonllm.errors import ConfigError
 from tritonllm.options import option
-from tritonllm.protocol import GUIDE_TYPES, MAX_TOP_LOG_PROBS, MAX_WORD_SEQUENCES
+from tritonllm.protocol import MAX_WORD_SEQUENCES
 
 AUTO_DEVICES = ("auto", "cpu", "cuda")
 
@@ -64,7 +64,7 @@ class Penalties:
 @dataclass(frozen=True)
 class Guide:
     """Guided decoding, as TensorRT-LLM's `guided_decoding_guide_type` / `guided_decoding_guide` say it: `type`
-    is one of GUIDE_TYPES; `text` is the JSON schema, regular expression or EBNF grammar ("" for any JSON)."""
+    is one of protocol.GUIDE_TYPES; `text` is the JSON schema, regular expression or EBNF grammar ("" for any JSON)."""
 
     type: str
     text: str = ""
@@ -254,7 +254,3 @@ def check_request(request: GenerationRequest) -> None:
     """What an engine's `submit` refuses (ValueError) rather than queues."""
     if len(request.bad_words) > MAX_WORD_SEQUENCES:
         raise ValueError(f"{len(request.bad_words)} bad words, more than the limit of {MAX_WORD_SEQUENCES}")
-    if request.log_probs > MAX_TOP_LOG_PROBS:
-        raise ValueError(f"{request.log_probs} top log probabilities, more than the limit of {MAX_TOP_LOG_PROBS}")
-    if request.guide is not None and request.guide.type not in GUIDE_TYPES:
-        raise ValueError(f"guide type {request.guide.type!r} is not one of {', '.join(GUIDE_TYPES)}")
