@@ -35,8 +35,9 @@ from tritonllm.backend.triton_glue import (
     parameters,
     to_tensors,
 )
-from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, EngineConfig, GenerationRequest
+from tritonllm.engine.api import ENGINE_CONFIG_FILE, BlockingGenerate, Emission, EngineConfig, GenerationRequest
 from tritonllm.engine.process import EngineProcess
+from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, InputError, ServerBusy
 from tritonllm.text.tokenization import Limits, scalar
 
@@ -61,6 +62,23 @@ class _Call:
     closed: bool = False
 
 
+def load_engine(folder: Path, device: str) -> tuple[BlockingGenerate, str]:
+    """The engine the build configured in the model's version folder, and what it is, for the log."""
+    synthetic = folder / SYNTHETIC_CONFIG_FILE
+    if synthetic.is_file():  # a benchmark instrument (build_engines.py --engine synthetic)
+        config = SyntheticConfig(**json.loads(synthetic.read_text()))
+        return SyntheticEngine(config), f"synthetic benchmark engine, {config.step_ms} ms per step"
+    engine_config = EngineConfig(**json.loads((folder / ENGINE_CONFIG_FILE).read_text()))
+    if device != "cpu":
+        engine_config = dataclasses.replace(engine_config, device=device)  # the GPU of this instance
+    # The engine in a child process (tritonllm/engine/process.py), which alone then loads torch, or in this one.
+    if engine_config.engine_process:
+        return EngineProcess(engine_config), f"portable engine on {device}, in a process of its own"
+    from tritonllm.engine.portable import PortableEngine
+
+    return PortableEngine(engine_config), f"portable engine on {device}, in the model's process"
+
+
 class EngineModel:
     def initialize(self, args: dict) -> None:
         config = model_config(args)
@@ -75,22 +93,11 @@ class EngineModel:
         # Requests beyond the running batch wait in the engine's queue, up to this bound; more are refused.
         self.capacity = int(config["max_batch_size"]) + int(params["max_queue_size"])
         folder = Path(args["model_repository"]) / args["model_version"]
-        engine_config = EngineConfig(**json.loads((folder / ENGINE_CONFIG_FILE).read_text()))
-        if device != "cpu":
-            engine_config = dataclasses.replace(engine_config, device=device)  # the GPU of this instance
-        # The engine in a child process (tritonllm/engine/process.py), which alone then loads torch, or in this one.
-        if engine_config.engine_process:
-            engine = EngineProcess
-        else:
-            from tritonllm.engine.portable import PortableEngine as engine
-        self.engine = engine(engine_config)
         started = time.perf_counter()
+        self.engine, what = load_engine(folder, device)
         # The batching manager's first step is slow (allocation, kernel selection): pay it now.
         self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)
-        where = "in a process of its own" if engine is EngineProcess else "in the model's process"
-        log_info(
-            f"tensorrt_llm: portable engine on {device}, {where}, warmed up in {time.perf_counter() - started:.1f} s"
-        )
+        log_info(f"tensorrt_llm: {what}, ready in {time.perf_counter() - started:.1f} s")
         self._live: dict[int, _Call] = {}
         self.metrics = EngineMetrics(args["model_name"], args["model_version"])
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # metric records, flushed by the sender thread

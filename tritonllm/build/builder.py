@@ -2,6 +2,7 @@
 
 --engine portable   the Hugging Face folder is the engine (PyTorch, CPU or CUDA)
 --engine trtllm     a TensorRT-LLM engine, built inside NVIDIA's image (on a GPU host with Docker)
+--engine synthetic  a benchmark instrument: fixed text at --step-ms per step, for measuring the pipeline
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from tritonllm.build.model_source import ModelSourceError, resolve_model
 from tritonllm.build.repository import RepositoryError, write_repository
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
+from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError
 from tritonllm.options import add_options, option_fields
 
@@ -127,6 +129,36 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         max_queue_size=args.max_queue_size,
         engine_values={"engine_instance_kind": "KIND_GPU" if config.device == "cuda" else "KIND_CPU"},
         engine_config=dataclasses.replace(config, kv_cache_tokens=kv_cache_tokens),
+    )
+
+
+def plan_synthetic(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
+    """The benchmark engine: the model's tokenizer and vocabulary, no weights (tritonllm/engine/synthetic.py)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    max_input_len = args.max_input_len or args.max_seq_len * 3 // 4
+    if not 1 <= max_input_len < args.max_seq_len:
+        raise BuildError(
+            f"--max-input-len {max_input_len} must be at least 1 and below --max-seq-len {args.max_seq_len}"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = SyntheticConfig(
+        text_ids=tuple(tokenizer(PASSAGE, add_special_tokens=False)["input_ids"]),
+        max_batch_size=args.max_batch_size or 16,
+        **{f.name: getattr(args, f.name) for f in option_fields(SyntheticConfig)},
+    )
+    return BuildPlan(
+        engine="synthetic",
+        model_dir=str(model_dir),
+        dtype="none",
+        max_batch_size=config.max_batch_size,
+        max_input_len=max_input_len,
+        max_seq_len=args.max_seq_len,
+        vocab_size=AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size,
+        max_queue_size=args.max_queue_size,
+        engine_values={"engine_instance_kind": "KIND_CPU"},
+        details={"step_ms": config.step_ms},
+        files={f"tensorrt_llm/1/{SYNTHETIC_CONFIG_FILE}": json.dumps(asdict(config)) + "\n"},
     )
 
 
@@ -253,7 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--engine", choices=["portable", "trtllm"], default="portable", help="the engine flavor behind the ensemble"
+        "--engine",
+        choices=["portable", "trtllm", "synthetic"],
+        default="portable",
+        help="the engine flavor behind the ensemble; synthetic: a benchmark instrument (docs/performance.md)",
     )
     parser.add_argument(
         "--model",
@@ -288,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     portable = parser.add_argument_group("portable engine")
     add_options(portable, EngineConfig)
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
+    synthetic = parser.add_argument_group("synthetic benchmark engine (an instrument, not for serving)")
+    add_options(synthetic, SyntheticConfig)
     trt = parser.add_argument_group("TensorRT-LLM engine")
     add_options(trt, TrtllmBuildOptions)
     trt.add_argument(
@@ -313,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_model(args.model or None, build_dir)
         if args.engine == "portable":
             plan = plan_portable(model_dir, args)
+        elif args.engine == "synthetic":
+            plan = plan_synthetic(model_dir, args)
         else:
             engine_dir = (args.engine_dir or default_engine_dir(build_dir, model_dir, args)).resolve()
             if args.engine_dir is None:
@@ -323,9 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         files = dict(plan.files)
         if plan.engine_config is not None:
             files[f"tensorrt_llm/1/{ENGINE_CONFIG_FILE}"] = json.dumps(asdict(plan.engine_config), indent=2) + "\n"
-        models = write_repository(
-            plan.template_values(), build_dir / "model_repository", flavor=plan.engine, files=files
-        )
+        flavor = "portable" if plan.engine == "synthetic" else plan.engine  # the same models, another engine
+        models = write_repository(plan.template_values(), build_dir / "model_repository", flavor=flavor, files=files)
     except (ModelSourceError, RepositoryError, BuildError, ValueError) as exc:
         print(f"build_engines.py: {exc}", file=sys.stderr)
         return 2

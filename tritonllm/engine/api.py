@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
@@ -248,6 +248,10 @@ class BlockingGenerate:
         if final.error:
             raise RuntimeError(final.error)
         return [t for e in result for t in e.token_ids], final.finish_reason or ""
+
+
+def ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:
+    return len(tokens) >= len(suffix) and tuple(tokens[len(tokens) - len(suffix) :]) == tuple(suffix)
 
 
 def check_request(request: GenerationRequest) -> None:

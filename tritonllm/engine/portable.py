@@ -32,6 +32,7 @@ from tritonllm.engine.api import (
     GenerationRequest,
     TokenLogProbs,
     check_request,
+    ends_with,
 )
 from tritonllm.engine.checks import check_batching, check_controls
 from tritonllm.engine.controls import EmbeddingBias, LogProbs, Penalties, RequestSlots, attach_log_probs
@@ -39,7 +40,7 @@ from tritonllm.engine.cpu_threads import on_fresh_thread, start_yielding
 from tritonllm.engine.guided import GuidedDecoding, Guides
 from tritonllm.engine.norms import fuse_rms_norms
 from tritonllm.engine.projections import merge_projections
-from tritonllm.engine.sampling import ends_with, key_graphs_by_processors, request_processors
+from tritonllm.engine.sampling import key_graphs_by_processors, request_processors
 from tritonllm.engine.step_graphs import graph_steps_up_to
 from tritonllm.errors import EngineFailure
 from tritonllm.protocol import (

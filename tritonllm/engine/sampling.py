@@ -30,6 +30,8 @@ from transformers import LogitsProcessorList
 from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessorList
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 
+from tritonllm.engine.api import ends_with
+
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
 MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflows float32; sampling is greedy there anyway
@@ -336,7 +338,3 @@ def tokens_before(state, end: int, count: int) -> list[int]:
         return []
     start, prompt = max(0, end - count), state.initial_tokens
     return prompt[start:end] + state.generated_tokens[max(0, start - len(prompt)) : max(0, end - len(prompt))]
-
-
-def ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:
-    return len(tokens) >= len(suffix) and tuple(tokens[len(tokens) - len(suffix) :]) == tuple(suffix)

@@ -1,0 +1,109 @@
+"""The synthetic benchmark engine: the portable engine's interface and semantics, on a fixed passage."""
+
+import json
+import threading
+
+import pytest
+
+from tritonllm.build.builder import main as build_main
+from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
+from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
+from tritonllm.errors import InputError
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+
+TEXT = tuple(range(100, 140))
+
+
+@pytest.fixture
+def engine():
+    built = SyntheticEngine(SyntheticConfig(TEXT, max_batch_size=2, step_ms=1))
+    yield built
+    built.shutdown()
+
+
+def stream(engine, request: GenerationRequest) -> list[Emission]:
+    done, got = threading.Event(), []
+
+    def emit(emission: Emission) -> None:
+        got.append(emission)
+        if emission.final:
+            done.set()
+
+    engine.submit(request, emit)
+    assert done.wait(10)
+    return got
+
+
+def test_a_stream_gets_one_token_a_step_along_the_passage(engine):
+    emissions = stream(engine, GenerationRequest([1, 2, 3], max_new_tokens=50, streaming=True))
+    tokens = [t for e in emissions for t in e.token_ids]
+    assert [len(e.token_ids) for e in emissions] == [1] * 50
+    assert [e.finish_reason for e in emissions] == [None] * 49 + [FINISH_LENGTH]
+    start = TEXT.index(tokens[0])
+    assert tokens == [TEXT[(start + i) % len(TEXT)] for i in range(50)]
+    assert emissions[-1].time_to_first_token > 0
+
+
+def test_the_same_prompt_gets_the_same_text_streamed_or_not(engine):
+    whole, reason = engine.generate(GenerationRequest([5, 6], max_new_tokens=30))
+    streamed = stream(engine, GenerationRequest([5, 6], max_new_tokens=30, streaming=True))
+    assert reason == FINISH_LENGTH
+    assert whole == [t for e in streamed for t in e.token_ids]
+
+
+def test_end_id_and_stop_words_end_a_request(engine):
+    tokens, _ = engine.generate(GenerationRequest([7], max_new_tokens=30))
+    ended, reason = engine.generate(GenerationRequest([7], max_new_tokens=30, end_id=tokens[5]))
+    assert (ended, reason) == (tokens[:5], FINISH_EOS)
+    stopped, reason = engine.generate(GenerationRequest([7], max_new_tokens=30, stop_words=((tokens[3], tokens[4]),)))
+    assert (stopped, reason) == (tokens[:5], FINISH_STOP)
+
+
+def test_requests_beyond_the_batch_wait_and_cancel_frees_a_place(engine):
+    finals: dict[str, Emission] = {}
+    ids = [
+        engine.submit(GenerationRequest([i], max_new_tokens=10**6), lambda e, i=i: e.final and finals.update({i: e}))
+        for i in range(3)
+    ]
+    assert engine.running() == 3
+    for _ in range(100):
+        if engine.in_batch() == 2:
+            break
+        threading.Event().wait(0.01)
+    assert engine.in_batch() == 2
+    engine.cancel(ids[0])
+    assert finals[0].finish_reason == FINISH_CANCELLED
+    assert engine.running() == 2
+    for request_id in ids[1:]:
+        engine.cancel(request_id)
+    assert engine.running() == 0
+
+
+@pytest.mark.parametrize(
+    "request_options, field",
+    [
+        ({"sampling": SamplingParams(sample=True, temperature=0.7)}, "temperature"),
+        ({"penalties": Penalties(repetition=1.2)}, "repetition_penalty"),
+        ({"embedding_bias": ((3, 1.0),)}, "embedding_bias"),
+        ({"log_probs": 0}, "return_log_probs"),
+        ({"guide": Guide("json")}, "guided_decoding_guide"),
+        ({"bad_words": ((3,),)}, "bad_words_list"),
+    ],
+)
+def test_what_it_cannot_honour_is_refused_by_name(engine, request_options, field):
+    with pytest.raises(InputError) as refused:
+        engine.submit(GenerationRequest([1], max_new_tokens=4, **request_options), lambda e: None)
+    assert refused.value.field == field
+    assert engine.running() == 0
+
+
+def test_the_build_writes_the_synthetic_engine_with_the_portable_models(manifest, tmp_path):
+    code = build_main(
+        ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(tmp_path), "--step-ms", "2.5"]
+    )
+    assert code == 0
+    repository = tmp_path / "model_repository"
+    config = json.loads((repository / "tensorrt_llm" / "1" / SYNTHETIC_CONFIG_FILE).read_text())
+    assert config["step_ms"] == 2.5 and len(config["text_ids"]) > 100
+    assert (repository / "tensorrt_llm" / "1" / "model.py").is_file()
+    assert json.loads((tmp_path / "manifest.json").read_text())["engine"] == "synthetic"

@@ -1,0 +1,193 @@
+"""A benchmark instrument, never a default: an engine that writes a fixed passage at a set time per step.
+
+Built with `build_engines.py --engine synthetic --step-ms 6`, it sits behind the same `tensorrt_llm` model as the
+portable engine (tritonllm/backend/engine_model.py) with the same interface: streaming or not, end_id,
+stop_words_list, max tokens, TensorRT-LLM's `stop` request and cancellation, the same outputs and metrics. Every
+step it gives each running sequence (up to max_batch_size; the others wait in order) its next token of a passage the
+build tokenized with the model's tokenizer, so the preprocessing, postprocessing, streaming and OpenAI steps do
+their real work on real text, while the engine costs a few microseconds of one thread per token. What it cannot
+honour it refuses, naming the input: sampling, penalties, biases, log probabilities, guides, bad words.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, Penalties, ends_with
+from tritonllm.errors import InputError
+from tritonllm.options import option
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+
+SYNTHETIC_CONFIG_FILE = "synthetic_engine.json"  # beside the engine model, where the portable one has engine.json
+# What the synthetic engine writes, cycled; each request starts at an offset chosen by its prompt. Mixed scripts so
+# that detokenization meets multi-byte characters split across tokens, as with real models.
+PASSAGE = (
+    "The river carried the morning light past the old mill, where the wheel turned slowly and the miller counted "
+    "sacks of grain. Children ran along the bank, shouting names into the wind, and a heron lifted itself from the "
+    "reeds without a sound. In the square the market opened: bread, cheese, café au lait, and crates of apples "
+    "from the hills. 北京的秋天很美。 Travellers asked the way to the bridge; the answer was always "
+    "the same, follow the water until the road bends, then keep the church tower on your left. By noon the clouds "
+    "had gathered over the valley, and the first drops of rain fell on the stones of the quay. "
+)
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """The synthetic engine's configuration; the build writes it as synthetic_engine.json. `step_ms` is a build
+    option (tritonllm/options.py)."""
+
+    text_ids: tuple[int, ...]  # PASSAGE in the model's tokenizer
+    max_batch_size: int = 16
+    step_ms: float = option(
+        6.0, "milliseconds per engine step; each step gives every running sequence its next token", limits=(0.1, None)
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text_ids", tuple(self.text_ids))  # JSON gives a list
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: GenerationRequest
+    emit: Callable[[Emission], None]
+    position: int  # where in the passage its next token is
+    tokens: list[int] = field(default_factory=list)
+    sent: int = 0  # tokens already emitted (streaming)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+
+
+def check_supported(request: GenerationRequest) -> None:
+    """InputError naming the first control the synthetic engine cannot honour."""
+    refused = [
+        (request.sampling.sample, "temperature", "sampling (temperature, runtime_top_k, runtime_top_p)"),
+        (request.penalties != Penalties(), "repetition_penalty", "penalties and min_tokens"),
+        (bool(request.embedding_bias), "embedding_bias", "a bias"),
+        (request.log_probs >= 0, "return_log_probs", "log probabilities"),
+        (request.guide is not None, "guided_decoding_guide", "guided decoding"),
+        (bool(request.bad_words), "bad_words_list", "bad words"),
+    ]
+    for used, name, what in refused:
+        if used:
+            raise InputError(name, f"the synthetic benchmark engine writes fixed text: {what} is not available")
+
+
+class SyntheticEngine(BlockingGenerate):
+    """One thread: every step, the next token for each running sequence; the portable engine's interface."""
+
+    def __init__(self, config: SyntheticConfig) -> None:
+        if not config.text_ids:
+            raise ValueError("the synthetic engine needs the passage's token ids (text_ids)")
+        self.config = config
+        self._step_s = config.step_ms / 1000
+        self._lock = threading.RLock()  # emit callbacks run under it and may ask running() or cancel()
+        self._ids = itertools.count()
+        self._sequences: dict[str, _Sequence] = {}  # submitted and not finished, in order
+        self._waiting: deque[str] = deque()
+        self._batch: dict[str, _Sequence] = {}
+        self._work = threading.Event()
+        self._stopping = threading.Event()
+        self._loop_thread = threading.Thread(target=self._loop, name="synthetic-engine", daemon=True)
+        self._loop_thread.start()
+
+    def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        check_supported(request)
+        request_id = f"s{next(self._ids)}"
+        start = zlib.crc32(bytes(str(request.input_ids), "ascii")) % len(self.config.text_ids)
+        with self._lock:
+            self._sequences[request_id] = _Sequence(request, emit, start)
+            self._waiting.append(request_id)
+        self._work.set()
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            sequence = self._take(request_id)
+            if sequence is not None:
+                self._finish(sequence, FINISH_CANCELLED)
+
+    def running(self) -> int:
+        return len(self._sequences)
+
+    def in_batch(self) -> int:
+        return len(self._batch)
+
+    def alive(self) -> bool:
+        return self._loop_thread.is_alive()
+
+    def captured_graphs(self) -> int:
+        return 0
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._work.set()
+        self._loop_thread.join(timeout=5)
+        with self._lock:
+            for request_id in list(self._sequences):
+                self._finish(self._take(request_id), FINISH_ERROR, "the engine is shutting down")
+
+    # ------------------------------------------------------------------ the step loop
+
+    def _loop(self) -> None:
+        next_step = time.monotonic()
+        while not self._stopping.is_set():
+            if not self._sequences:
+                self._work.wait(0.1)
+                self._work.clear()
+                next_step = time.monotonic() + self._step_s  # a request's first token takes one step
+                continue
+            delay = next_step - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            # A late step is not made up for with a burst: the next one is a full step after this one.
+            next_step = max(next_step + self._step_s, time.monotonic())
+            with self._lock:
+                while self._waiting and len(self._batch) < self.config.max_batch_size:
+                    request_id = self._waiting.popleft()
+                    self._batch[request_id] = self._sequences[request_id]
+                for request_id, sequence in list(self._batch.items()):
+                    self._advance(request_id, sequence)
+
+    def _advance(self, request_id: str, sequence: _Sequence) -> None:
+        request, text = sequence.request, self.config.text_ids
+        token = text[sequence.position % len(text)]
+        sequence.position += 1
+        if sequence.first_token is None:
+            sequence.first_token = time.perf_counter()
+        reason = None
+        if token == request.end_id:
+            reason = FINISH_EOS
+        else:
+            sequence.tokens.append(token)
+            if any(ends_with(sequence.tokens, word) for word in request.stop_words):
+                reason = FINISH_STOP
+            elif len(sequence.tokens) >= request.max_new_tokens:
+                reason = FINISH_LENGTH
+        if reason is not None:
+            self._finish(self._take(request_id), reason)
+        elif request.streaming:
+            sequence.sent = len(sequence.tokens)
+            sequence.emit(Emission([token]))
+
+    def _take(self, request_id: str) -> _Sequence | None:
+        """Removes a request from every queue; None when it already finished."""
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is not None and self._batch.pop(request_id, None) is None:
+            self._waiting.remove(request_id)
+        return sequence
+
+    @staticmethod
+    def _finish(sequence: _Sequence, reason: str, error: str | None = None) -> None:
+        start = sequence.sent if sequence.request.streaming else 0
+        ttft = tpot = None
+        if sequence.first_token is not None:
+            ttft = sequence.first_token - sequence.submitted
+            if len(sequence.tokens) > 1:
+                tpot = (time.perf_counter() - sequence.first_token) / (len(sequence.tokens) - 1)
+        sequence.emit(Emission(sequence.tokens[start:], reason, error, None, ttft, tpot))
