@@ -4,6 +4,7 @@
 # the second on the GPU host:
 #   bash benchmarks/gpu_bundle.sh
 #   bash benchmarks/gpu_bench.sh [gpu_bench.py options]
+# GPU_SCRIPT=benchmarks/pipeline.py runs the pipeline benchmark there instead, with the same environment.
 # What it reads from .whl/gpu:
 #   tritonserver-min.tar.xz  the tritonserver 2.51 binary, Python backend, 3.12 stub and the libraries they
 #                          link, taken from the nvidia-pytriton 0.7.0 wheel (trimmed and stripped to fit one
@@ -14,6 +15,7 @@
 #   overlay/*.whl          optional: the project's transformers and tokenizers wheels, used instead of the
 #                          host's when they import there (the report names the transformers release)
 #   tools/py_spy-*.whl     optional: py-spy, for --profile-dir
+#   serve/*.whl            optional: the OpenAI layer's web stack (benchmarks/pipeline.py runs it)
 # It makes a venv with numpy 1.26 that links every other package of the host's Python (torch, ...) except
 # those that need numpy 2.
 set -eu
@@ -31,6 +33,9 @@ python3 -m venv --without-pip /tmp/v312
 sp=$(/tmp/v312/bin/python3 -c 'import site; print(site.getsitepackages()[0])')
 python3 -m pip install -q --no-index --no-deps --upgrade --target "$sp" "$bundle"/*.whl
 python3 -m zipfile -e "$bundle/tritonclient-py.zip" "$sp"
+if ls "$bundle"/serve/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --upgrade --target "$sp" "$bundle"/serve/*.whl
+fi
 overlay=""
 if ls "$bundle"/overlay/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/overlay "$bundle"/overlay/*.whl
@@ -61,4 +66,4 @@ if ls "$bundle"/tools/*.whl >/dev/null 2>&1; then
   export PATH=/tmp/tools/bin:$PATH
 fi
 export PYTHONPATH=/tmp/pyt:$PWD PYTHONUNBUFFERED=1
-exec /tmp/v312/bin/python3 benchmarks/gpu_bench.py --tokenizer-dir /tmp/tok "$@"
+exec /tmp/v312/bin/python3 "${GPU_SCRIPT:-benchmarks/gpu_bench.py}" --tokenizer-dir /tmp/tok "$@"

@@ -396,12 +396,26 @@ def summary(rows: list[dict], settings: dict) -> str:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def tokenizer_folder(tokenizer_dir: Path, out: Path) -> Path:
+    """A folder the build takes for a model (config.json + tokenizer) from tokenizer files alone: the synthetic
+    engine needs only the tokenizer and the vocabulary (a GPU host given the bundle's tokenizer, gpu_bench.sh)."""
+    import shutil
+
+    from transformers import AutoTokenizer, LlamaConfig
+
+    shutil.copytree(tokenizer_dir, out, dirs_exist_ok=True)
+    LlamaConfig(vocab_size=len(AutoTokenizer.from_pretrained(out))).save_pretrained(out)
+    return out
+
+
 def build_repository(args) -> Path:
     """The synthetic engine's repository, with the main build's tokenizer (or --model)."""
     from tritonllm.build.builder import main as build_main
 
     model = args.model
-    if model is None:
+    if args.tokenizer_dir is not None:
+        model = tokenizer_folder(args.tokenizer_dir, args.out / "tokenizer-model")
+    elif model is None:
         manifest = args.build_dir / "manifest.json"
         if not manifest.is_file():
             raise SystemExit(f"bench-pipeline: no {manifest}: run `make build` first (its tokenizer is used)")
@@ -440,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--build-dir", type=Path, default=Path("build"), help="the main build (for its tokenizer)")
     parser.add_argument("--model", help="a Hugging Face folder whose tokenizer to use (default: the main build's)")
+    parser.add_argument("--tokenizer-dir", type=Path, help="tokenizer files alone, instead of --model")
     parser.add_argument("--out", type=Path, default=None, help="default: BUILD_DIR/bench-pipeline")
     parser.add_argument("--levels", default="1,4,16,64,256,512,1024", help="concurrency levels, comma-separated")
     parser.add_argument("--targets", default=",".join(PAIRS), help=f"entry points among {', '.join(PAIRS)}")
