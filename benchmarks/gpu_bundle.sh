@@ -11,8 +11,8 @@
 #   tritonclient-py.zip    tritonclient 2.51.0's Python package (no perf_analyzer) and python-rapidjson
 #   tokenizer.tgz          SmolLM2's tokenizer files from build/manifest.json's tokenizer_dir
 #   overlay/*.whl          transformers and tokenizers, the project's pins (NO_OVERLAY=1 leaves them out)
-#   serve/*.whl            the OpenAI layer's web stack and jsonschema, with their dependencies (for
-#                          benchmarks/pipeline.py, which runs the layer; NO_SERVE=1 leaves them out)
+#   serve/*.whl            the OpenAI layer's web stack, jsonschema and tritonclient's HTTP client's gevent, with
+#                          their dependencies (for benchmarks/pipeline.py; NO_SERVE=1 leaves them out)
 #   tools/*.whl            py-spy, for gpu_bench.sh --profile-dir (NO_PYSPY=1 leaves it out)
 # It needs binutils (readelf, strip), xz, unzip, and the project's .venv or another Python with pip
 # (PYTHON=...); pip's own cache makes a second run quick.
@@ -30,7 +30,10 @@ PYSPY=py-spy==0.4.2
 SERVE=(fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 click==8.5.1 annotated-doc==0.0.7
   opentelemetry-api==1.45.2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   typing-extensions==4.16.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
-  rpds-py==2026.9.1 attrs==26.1.0)
+  rpds-py==2026.9.1 attrs==26.1.0
+  # tritonclient.http (and its aio client) imports gevent; 2.0.12 is the oldest geventhttpclient with a cp312 wheel
+  geventhttpclient==2.0.12 gevent==26.9.0 greenlet==3.5.6 zope.event==6.2 zope.interface==8.7 brotli==1.2.1
+  certifi==2026.10.19.post1 six==1.17.0)
 BUILD_DIR=${BUILD_DIR:-build}
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 bundle=.whl/gpu
