@@ -265,7 +265,8 @@ class Bench:
             for k, n in enumerate(shares)
         ]
         records, client_cpu = [], 0.0
-        for got, used in self.pool.map(_client, jobs):
+        # A stalled server must not hang the sweep: every request of a level ends within a few of its lengths.
+        for got, used in self.pool.map(_client, jobs, timeout=seconds + 120):
             records += got
             client_cpu += used
         elapsed = time.perf_counter() - started

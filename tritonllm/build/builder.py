@@ -24,6 +24,9 @@ from tritonllm.errors import ConfigError
 from tritonllm.options import add_options, option_fields
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Python-backend threads per model instance, at most: beyond it, the ensemble's requests wait for a thread in the
+# bridge (tensorrt_llm_bls and the engine model are not bounded by it: their BLS calls stream).
+MAX_BACKEND_THREADS = 512
 
 
 class BuildError(ConfigError):
@@ -59,9 +62,12 @@ class BuildPlan:
         pool of threads (32 unless set), and a decoupled BLS call holds a thread until the callee's
         first response: for tensorrt_llm_bridge that is the whole answer, so 32 threads would cap
         the ensemble's requests in flight at 32. The pool gets one thread per request the engine
-        admits (running and waiting) on top of the default 32.
+        admits (running and waiting) on top of the default 32, up to MAX_BACKEND_THREADS: every
+        Python-backend instance gets such a pool in the server process, and at 1,024 admitted requests
+        seven instances held 14,600 threads, more than a container may start (a stub died).
         """
-        return [f"--backend-config=python,thread-pool-size={self.max_batch_size + self.queue_size + 32}"]
+        threads = min(self.max_batch_size + self.queue_size + 32, MAX_BACKEND_THREADS)
+        return [f"--backend-config=python,thread-pool-size={threads}"]
 
     def template_values(self) -> dict[str, str]:
         return {

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tritonllm.build.builder import BuildError, BuildPlan, engine_options, main, parse_args, plan_portable
+from tritonllm.build.builder import (
+    MAX_BACKEND_THREADS,
+    BuildError,
+    BuildPlan,
+    engine_options,
+    main,
+    parse_args,
+    plan_portable,
+)
 from tritonllm.build.repository import TEMPLATES, RepositoryError, render_configs, write_repository
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
 
@@ -261,11 +269,14 @@ def test_python_backend_threads_cover_every_admitted_request(tmp_path):
     from tritonllm.launch.tritonserver import TritonServer
 
     assert PLAN.server_options() == ["--backend-config=python,thread-pool-size=48"]  # 8 running + 8 waiting + 32
-    bigger = replace(PLAN, max_batch_size=256, max_queue_size=512)
-    assert bigger.server_options() == ["--backend-config=python,thread-pool-size=800"]
+    bigger = replace(PLAN, max_batch_size=128, max_queue_size=256)
+    assert bigger.server_options() == ["--backend-config=python,thread-pool-size=416"]
     (tmp_path / "manifest.json").write_text(json.dumps({"server_options": bigger.server_options()}))
     command = TritonServer(tmp_path / "model_repository", tmp_path / "tritonserver").command()
-    assert "--backend-config=python,thread-pool-size=800" in command
+    assert "--backend-config=python,thread-pool-size=416" in command
+    # Each Python-backend instance gets the pool in the server process: bounded, or a large batch starts thousands.
+    huge = replace(PLAN, max_batch_size=1024, max_queue_size=1024)
+    assert huge.server_options() == [f"--backend-config=python,thread-pool-size={MAX_BACKEND_THREADS}"]
 
 
 @pytest.mark.parametrize("fusion", ["fused_norms", "fused_projections"])
