@@ -54,6 +54,7 @@ METHODS = {  # target -> loadgen.Targets method
     "ensemble_http": "ensemble",
     "ensemble_grpc": "ensemble_grpc",
 }
+GRACE_S = 120.0  # how long past a level's end a request may take before it counts as stalled
 WORDS = [
     "signal",
     "harbour",
@@ -145,7 +146,11 @@ async def _closed_loop(job: dict) -> list[Record]:
     async def worker(k: int) -> None:
         i = job["first"] + k
         while time.time() < job["stop_at"]:
-            record = await send(i)
+            started = time.perf_counter()
+            try:  # a request that outlives the level's deadline by far means a stalled server: an error, not a hang
+                record = await asyncio.wait_for(send(i), job["stop_at"] - time.time() + job["grace_s"])
+            except (TimeoutError, asyncio.TimeoutError):
+                record = Record(started, time.perf_counter(), None, 0, "no answer: the server stalled")
             records.append(
                 Record(
                     record.start + offset,
@@ -186,6 +191,14 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def alive(pid: int) -> bool:
+    """Not gone and not a zombie (a stub that died stays <defunct> under tritonserver, which does not notice)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def cpu_snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
@@ -261,15 +274,20 @@ class Bench:
         before, started = cpu_snapshot(groups), time.perf_counter()
         stop_at = time.time() + seconds
         jobs = [
-            {**self.base, "target": target, "concurrency": n, "first": k, "stride": clients, "stop_at": stop_at}
+            {
+                **self.base,
+                **{"target": target, "concurrency": n, "first": k, "stride": clients, "stop_at": stop_at},
+                "grace_s": GRACE_S,
+            }
             for k, n in enumerate(shares)
         ]
         records, client_cpu = [], 0.0
-        # A stalled server must not hang the sweep: every request of a level ends within a few of its lengths.
-        for got, used in self.pool.map(_client, jobs, timeout=seconds + 120):
+        for got, used in self.pool.map(_client, jobs):
             records += got
             client_cpu += used
         elapsed = time.perf_counter() - started
+        if dead := [f"{name} (pid {pid})" for name, pids in groups.items() for pid in pids if not alive(pid)]:
+            raise RuntimeError(f"{target} at concurrency {concurrency}: process ended: {', '.join(dead)}")
         after = cpu_snapshot(groups)
         cpu = {name: after[name] - before[name] for name in groups}
         cpu["client"] = client_cpu
@@ -497,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench-pipeline: server ready in {time.perf_counter() - started:.1f} s", flush=True)
     bench = Bench(args, server, openai, token_ids, texts)
     levels: dict[tuple[str, int], Level] = {}
+    failure = None
     try:
         for target in dict.fromkeys(t for name in targets for t in (PAIRS[name], name)):  # warm-up
             bench.run(target, 2, 1.0)
@@ -507,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue  # one engine baseline per kind and level, run just before its first entry point
                     levels[target, concurrency] = level = bench.run(target, concurrency, args.seconds)
                     print(json.dumps(asdict(level)), flush=True)
+    except RuntimeError as exc:  # what was measured until then is still written
+        failure = exc
     finally:
         bench.close()
         if openai:
@@ -527,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "summary.md").write_text(text)
     print("\n" + text)
     print(f"bench-pipeline: wrote {args.out}/pipeline.csv, summary.md" + (", pipeline.png" if plotted else ""))
+    if failure is not None:
+        print(f"bench-pipeline: stopped early: {failure} (server log: {args.out / 'server.log'})", file=sys.stderr)
+        return 1
     return 0
 
 
