@@ -12,11 +12,12 @@ points, one response per request for `ensemble`), so each figure has its baselin
   bls_sse        tensorrt_llm_bls, HTTP SSE            ensemble_grpc  ensemble, gRPC
   openai_chat    the OpenAI layer, streamed chat
 
-Reported per (entry point, level): output tokens/s and requests/s over the steady window (from the first answer to
-the last request start), the ratio to the engine alone, the time to first token and between tokens *added* to the
-engine's (p50, p99; for `ensemble`, the request latency added), and the CPU seconds per 1,000 output tokens of each
-process: tritonserver, each model's stub, the OpenAI layer and the load generator. The load generator runs in
---clients processes. Written under --out: pipeline.csv, pipeline.png (when matplotlib imports), summary.md.
+Reported per (entry point, level): output tokens/s and requests/s over the steady window (every worker busy past
+its first request; each sends for --seconds and at least three requests), the ratio to the engine alone, the time
+to first token and between tokens *added* to the engine's (p50, p99; for `ensemble`, the request latency added), and
+the CPU seconds per 1,000 output tokens of each process: tritonserver, each model's stub, the OpenAI layer and
+the load generator (in --clients processes). Written under --out: pipeline.csv, pipeline.png (when matplotlib
+imports), summary.md.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ METHODS = {  # target -> loadgen.Targets method
     "ensemble_http": "ensemble",
     "ensemble_grpc": "ensemble_grpc",
 }
+MIN_ROUNDS = 3  # requests per worker and level, at least: the first round starts in step and is not steady
 GRACE_S = 120.0  # how long past a level's end a request may take before it counts as stalled
 WORDS = [
     "signal",
@@ -121,15 +123,16 @@ def prompts(tokenizer, count: int, tokens: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------- the load generator
 
 
-def _client(job: dict) -> tuple[list[Record], float]:
-    """In a client process: `job["concurrency"]` closed-loop workers until `job["stop_at"]` (time.time clock).
-    Returns the records (perf_counter times shifted to time.time) and the process's CPU seconds."""
+def _client(job: dict) -> tuple[list[list[Record]], float]:
+    """In a client process: `job["concurrency"]` closed-loop workers, each sending until `job["stop_at"]` (time.time
+    clock) and at least MIN_ROUNDS requests. Returns each worker's records (times on the time.time clock) and the
+    process's CPU seconds."""
     started_cpu = time.process_time()
     records = asyncio.run(_closed_loop(job))
     return records, time.process_time() - started_cpu
 
 
-async def _closed_loop(job: dict) -> list[Record]:
+async def _closed_loop(job: dict) -> list[list[Record]]:
     targets = Targets(
         job["grpc_url"],
         job["http_url"],
@@ -141,26 +144,23 @@ async def _closed_loop(job: dict) -> list[Record]:
     )
     send = getattr(targets, METHODS[job["target"]])
     offset = time.time() - time.perf_counter()
-    records: list[Record] = []
+    records: list[list[Record]] = [[] for _ in range(job["concurrency"])]
 
     async def worker(k: int) -> None:
-        i = job["first"] + k
-        while time.time() < job["stop_at"]:
+        i = job["first"] + k * job["stride"]
+        mine = records[k]
+        while time.time() < job["stop_at"] or len(mine) < MIN_ROUNDS:
             started = time.perf_counter()
+            deadline = max(job["stop_at"] - time.time(), 0.0) + job["grace_s"]
             try:  # a request that outlives the level's deadline by far means a stalled server: an error, not a hang
-                record = await asyncio.wait_for(send(i), job["stop_at"] - time.time() + job["grace_s"])
+                record = await asyncio.wait_for(send(i), deadline)
             except (TimeoutError, asyncio.TimeoutError):
                 record = Record(started, time.perf_counter(), None, 0, "no answer: the server stalled")
-            records.append(
-                Record(
-                    record.start + offset,
-                    record.end + offset,
-                    None if record.first_token is None else record.first_token + offset,
-                    record.output_tokens,
-                    record.error,
-                )
-            )
-            i += job["stride"]
+            first = None if record.first_token is None else record.first_token + offset
+            mine.append(Record(record.start + offset, record.end + offset, first, record.output_tokens, record.error))
+            if record.error == "no answer: the server stalled":
+                return
+            i += job["stride"] * job["concurrency"]
 
     try:
         await asyncio.gather(*(worker(k) for k in range(job["concurrency"])))
@@ -212,14 +212,24 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if values else None
 
 
-def summarize(target: str, concurrency: int, records: list[Record], stop_at: float, cpu: dict, elapsed: float) -> Level:
+def steady_window(workers: list[list[Record]]) -> tuple[float, float]:
+    """The span in which every worker was busy past its first request: from the last first answer (the level's
+    requests all start together, and finish their first round together) to the earliest last start (after it,
+    workers stop one by one). The whole span when the rounds were too few to leave one."""
+    rounds = [w for w in workers if w]
+    begin = max(w[0].end for w in rounds)
+    end = min(w[-1].start for w in rounds)
+    if end <= begin:
+        begin, end = min(w[0].start for w in rounds), max(w[-1].end for w in rounds)
+    return begin, end
+
+
+def summarize(target: str, concurrency: int, workers: list[list[Record]], cpu: dict, elapsed: float) -> Level:
+    records = [r for w in workers for r in w]
     good = [r for r in records if r.error is None]
     if not good:
         raise RuntimeError(f"{target} at concurrency {concurrency}: every request failed: {records[0].error}")
-    # The steady window: from the first answer (before it, the first requests of the level were still running)
-    # to the last start; tokens of the requests that ended in it.
-    begin = min(r.end for r in good)
-    end = max(stop_at, begin + 1e-3)
+    begin, end = steady_window(workers)
     inside = [r for r in good if begin < r.end <= end]
     window = end - begin
     tokens = sum(r.output_tokens for r in good)
@@ -281,9 +291,9 @@ class Bench:
             }
             for k, n in enumerate(shares)
         ]
-        records, client_cpu = [], 0.0
+        workers, client_cpu = [], 0.0
         for got, used in self.pool.map(_client, jobs):
-            records += got
+            workers += got
             client_cpu += used
         elapsed = time.perf_counter() - started
         if dead := [f"{name} (pid {pid})" for name, pids in groups.items() for pid in pids if not alive(pid)]:
@@ -291,7 +301,7 @@ class Bench:
         after = cpu_snapshot(groups)
         cpu = {name: after[name] - before[name] for name in groups}
         cpu["client"] = client_cpu
-        return summarize(target, concurrency, records, stop_at, cpu, elapsed)
+        return summarize(target, concurrency, workers, cpu, elapsed)
 
     def close(self) -> None:
         self.pool.shutdown()

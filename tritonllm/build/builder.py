@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,12 @@ class BuildError(ConfigError):
     """An option that cannot work; says which and what to do."""
 
 
+def text_instances(cores: int) -> int:
+    """Instances of preprocessing and postprocessing (each runs one batch of requests at a time): one per four
+    cores of the build host, at least two and at most eight."""
+    return max(2, min(8, cores // 4))
+
+
 @dataclass(frozen=True)
 class BuildPlan:
     """Everything the repository is rendered from, derived from the model (or engine) and the options."""
@@ -50,6 +57,7 @@ class BuildPlan:
     engine_config: EngineConfig | None = None  # the portable engine's, written beside it as engine.json
     details: dict = field(default_factory=dict)  # what else the manifest records (the TensorRT-LLM engine's)
     files: dict[str, str] = field(default_factory=dict)  # path in the repository -> text, written with it
+    text_instances: int = field(default_factory=lambda: text_instances(os.cpu_count() or 2))
 
     @property
     def queue_size(self) -> int:
@@ -73,8 +81,8 @@ class BuildPlan:
         return {
             "triton_max_batch_size": str(self.max_batch_size),
             "max_queue_delay_microseconds": "0",
-            "preprocessing_instance_count": "2",
-            "postprocessing_instance_count": "2",
+            "preprocessing_instance_count": str(self.text_instances),
+            "postprocessing_instance_count": str(self.text_instances),
             "tokenizer_dir": self.model_dir,
             "add_special_tokens": "true",
             "skip_special_tokens": "true",

@@ -16,6 +16,7 @@ from tritonllm.build.builder import (
     main,
     parse_args,
     plan_portable,
+    text_instances,
 )
 from tritonllm.build.repository import TEMPLATES, RepositoryError, render_configs, write_repository
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
@@ -318,3 +319,8 @@ def test_the_build_writes_the_engine_config_once_as_engine_json(manifest, tmp_pa
     assert config == config.resolve(), "written resolved: the engine model has nothing left to decide"
     assert (config.fused_norms, config.cpu_niceness, config.device) == (False, 3, "cpu")
     assert json.loads((tmp_path / "manifest.json").read_text())["engine_config"] == written
+
+
+def test_tokenizer_instances_follow_the_build_hosts_cores():
+    assert [text_instances(cores) for cores in (1, 2, 8, 12, 16, 64)] == [2, 2, 2, 3, 4, 8]
+    assert VALUES["preprocessing_instance_count"] == VALUES["postprocessing_instance_count"] == str(PLAN.text_instances)

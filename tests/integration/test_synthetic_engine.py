@@ -1,0 +1,61 @@
+"""The synthetic benchmark engine behind the real models: what bench-pipeline measures is the real pipeline.
+
+Its text goes through preprocessing, postprocessing and tensorrt_llm_bls like a model's; streamed text equals the
+ensemble's and the tokenizer's decoding of the engine's own tokens; what it cannot honour is a 400 by name.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from client import GenerationError, generate, stream
+from tritonllm.build.builder import main as build_main
+from tritonllm.launch.tritonserver import TritonServer
+from tritonllm.protocol import infer_inputs
+
+
+@pytest.fixture(scope="module")
+def synthetic(manifest, tmp_path_factory):
+    build = tmp_path_factory.mktemp("synthetic")
+    argv = ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(build)]
+    assert build_main([*argv, "--step-ms", "1", "--max-batch-size", "4", "--max-seq-len", "512"]) == 0
+    server = TritonServer.on_free_ports(build, log_file=build / "server.log")
+    server.start(timeout=300)
+    yield server
+    assert server.stop() == 0
+    assert "Traceback" not in (build / "server.log").read_text()
+
+
+def engine_tokens(grpc_url: str, ids: list[int], max_tokens: int) -> list[int]:
+    """The engine model's own tokens for a prompt, one response."""
+    tensors = [
+        ("input_ids", np.array([ids], np.int32), "INT32"),
+        ("input_lengths", np.array([[len(ids)]], np.int32), "INT32"),
+        ("request_output_len", np.array([[max_tokens]], np.int32), "INT32"),
+    ]
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        results = []
+        client.start_stream(callback=lambda result, error: results.append(error or result))
+        client.async_stream_infer("tensorrt_llm", infer_inputs(grpcclient, tensors))
+        client.stop_stream()
+    (result,) = [r for r in results if r.as_numpy("output_ids") is not None]
+    return result.as_numpy("output_ids").reshape(-1)[: int(result.as_numpy("sequence_length").reshape(-1)[0])].tolist()
+
+
+@pytest.mark.parametrize("max_tokens", [7, 120])
+def test_streamed_text_equals_the_ensembles_and_the_decoded_tokens(synthetic, tokenizer, max_tokens):
+    grpc_url = f"{synthetic.host}:{synthetic.grpc_port}"
+    prompt = "Tell me about the river."
+    chunks = list(stream(prompt, max_tokens, url=grpc_url, chat=False))
+    whole = generate(prompt, max_tokens, url=synthetic.http_url, chat=False)
+    assert "".join(c.text for c in chunks) == whole
+    assert chunks[-1].num_output_tokens == max_tokens and len(chunks) > 2
+    ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    assert whole == tokenizer.decode(engine_tokens(grpc_url, ids, max_tokens), skip_special_tokens=True)
+
+
+def test_a_control_it_cannot_honour_is_refused_by_name(synthetic):
+    with pytest.raises(GenerationError, match="temperature"):
+        generate("Hello", 8, url=synthetic.http_url, temperature=0.7)

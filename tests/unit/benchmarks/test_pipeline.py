@@ -1,0 +1,39 @@
+"""bench-pipeline's arithmetic: the steady window, the added latencies and the ratio to the engine alone."""
+
+import pytest
+
+from benchmarks.loadgen import Record
+from benchmarks.pipeline import summarize, table_rows
+
+
+def level(target: str, first_token: float, tokens_per_request: int = 10):
+    # Two workers, each sending 1 s requests back to back from t=0 to t=10 (the second starting 0.5 s late);
+    # one failed request of 0.5 s before the second's.
+    workers = [[Record(k, k + 1.0, k + first_token, tokens_per_request) for k in range(10)]]
+    workers.append([Record(0.0, 0.5, None, 0, "refused")])
+    workers[1] += [Record(k + 0.5, k + 1.5, k + 0.5 + first_token, tokens_per_request) for k in range(9)]
+    return summarize(target, 2, workers, {"tensorrt_llm": 2.0, "client": 1.0}, 10.0)
+
+
+def test_rates_count_the_window_where_every_worker_was_busy_past_its_first_request():
+    engine = level("engine_stream", 0.01)
+    # Window: from the last first answer (t=1.0) to the earliest last start (t=8.5); 7 + 8 requests end inside it.
+    assert engine.window_s == pytest.approx(7.5)
+    assert engine.output_tokens_per_s == pytest.approx(150 / 7.5)
+    assert engine.errors == 1 and engine.first_error == "refused"
+    assert engine.cpu_s_per_1k_tokens == {"tensorrt_llm": round(2000 / 190, 4), "client": round(1000 / 190, 4)}
+    assert engine.cores == {"tensorrt_llm": 0.2, "client": 0.1}
+
+
+def test_entry_points_are_compared_with_their_engine_baseline():
+    engine, bls = level("engine_stream", 0.010), level("bls_grpc", 0.013)
+    rows = {r["target"]: r for r in table_rows({("engine_stream", 2): engine, ("bls_grpc", 2): bls})}
+    assert rows["bls_grpc"]["baseline"] == "engine_stream"
+    assert rows["bls_grpc"]["ratio_to_engine"] == 1.0
+    assert rows["bls_grpc"]["added_ttft_p50_ms"] == pytest.approx(3.0)
+    assert rows["engine_stream"]["ratio_to_engine"] is None
+
+
+def test_a_level_where_every_request_failed_says_so():
+    with pytest.raises(RuntimeError, match="every request failed: no answer"):
+        summarize("ensemble_http", 1, [[Record(0.0, 1.0, None, 0, "no answer")]], {}, 1.0)
