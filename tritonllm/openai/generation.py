@@ -144,6 +144,10 @@ class Generator:
         self, prompts: list[str], body: SamplingRequest, max_tokens: list[int]
     ) -> AsyncIterator[Generation]:
         """Deltas of every choice as they come, tagged with the choice index."""
+        if len(prompts) * body.n == 1:  # one choice: its own stream, without a task and a queue per delta
+            async for generation in self.generate(prompts[0], body, max_tokens[0], 0):
+                yield generation
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int) -> None:
