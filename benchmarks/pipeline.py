@@ -12,12 +12,12 @@ points, one response per request for `ensemble`), so each figure has its baselin
   bls_sse        tensorrt_llm_bls, HTTP SSE            ensemble_grpc  ensemble, gRPC
   openai_chat    the OpenAI layer, streamed chat
 
-Reported per (entry point, level): output tokens/s and requests/s over the steady window (every worker busy past
-its first request; each sends for --seconds and at least three requests), the ratio to the engine alone, the time
-to first token and between tokens *added* to the engine's (p50, p99; for `ensemble`, the request latency added), and
-the CPU seconds per 1,000 output tokens of each process: tritonserver, each model's stub, the OpenAI layer and
-the load generator (in --clients processes). Written under --out: pipeline.csv, pipeline.png (when matplotlib
-imports), summary.md.
+Reported per (entry point, level): output tokens/s and requests/s in steady state (each client worker sends for
+--seconds and at least three requests; its rate counts those between its first and its last, summed over the
+workers), the ratio to the engine alone, the time to first token and between tokens *added* to the engine's (p50,
+p99; for `ensemble`, the request latency added), and the CPU seconds per 1,000 output tokens of each process:
+tritonserver, each model's stub, the OpenAI layer and the load generator (in --clients processes). Written under
+--out: pipeline.csv, pipeline.png (when matplotlib imports), summary.md.
 """
 
 from __future__ import annotations
@@ -212,16 +212,24 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if values else None
 
 
-def steady_window(workers: list[list[Record]]) -> tuple[float, float]:
-    """The span in which every worker was busy past its first request: from the last first answer (the level's
-    requests all start together, and finish their first round together) to the earliest last start (after it,
-    workers stop one by one). The whole span when the rounds were too few to leave one."""
-    rounds = [w for w in workers if w]
-    begin = max(w[0].end for w in rounds)
-    end = min(w[-1].start for w in rounds)
-    if end <= begin:
-        begin, end = min(w[0].start for w in rounds), max(w[-1].end for w in rounds)
-    return begin, end
+def steady_rates(workers: list[list[Record]]) -> tuple[float, float, float]:
+    """(output tokens/s, requests/s, mean seconds measured per worker): each worker's own rate over its requests
+    after the first and before the last (back to back, so their span is the time between those two), summed over
+    the workers. The first requests of a level start together and the last ones end while others have stopped:
+    neither is steady; every worker sends at least MIN_ROUNDS requests so that one is left between them."""
+    tokens = requests = spans = 0.0
+    measured = 0
+    for worker in workers:
+        middle = worker[1:-1]
+        span = worker[-1].start - worker[0].end if len(worker) >= 3 else 0.0
+        if span <= 0:
+            continue
+        good = [r for r in middle if r.error is None]
+        tokens += sum(r.output_tokens for r in good) / span
+        requests += len(good) / span
+        spans += span
+        measured += 1
+    return tokens, requests, spans / measured if measured else 0.0
 
 
 def summarize(target: str, concurrency: int, workers: list[list[Record]], cpu: dict, elapsed: float) -> Level:
@@ -229,9 +237,7 @@ def summarize(target: str, concurrency: int, workers: list[list[Record]], cpu: d
     good = [r for r in records if r.error is None]
     if not good:
         raise RuntimeError(f"{target} at concurrency {concurrency}: every request failed: {records[0].error}")
-    begin, end = steady_window(workers)
-    inside = [r for r in good if begin < r.end <= end]
-    window = end - begin
+    tokens_per_s, requests_per_s, window = steady_rates(workers)
     tokens = sum(r.output_tokens for r in good)
     ttft = [(r.first_token - r.start) * 1000 for r in good if r.first_token is not None]
     itl = [
@@ -247,8 +253,8 @@ def summarize(target: str, concurrency: int, workers: list[list[Record]], cpu: d
         requests=len(good),
         errors=len(errors),
         window_s=round(window, 3),
-        output_tokens_per_s=round(sum(r.output_tokens for r in inside) / window, 1) if inside else 0.0,
-        requests_per_s=round(len(inside) / window, 2) if inside else 0.0,
+        output_tokens_per_s=round(tokens_per_s, 1),
+        requests_per_s=round(requests_per_s, 2),
         ttft_p50_ms=_pct(ttft, 50),
         ttft_p99_ms=_pct(ttft, 99),
         itl_p50_ms=_pct(itl, 50),

@@ -15,11 +15,12 @@ def level(target: str, first_token: float, tokens_per_request: int = 10):
     return summarize(target, 2, workers, {"tensorrt_llm": 2.0, "client": 1.0}, 10.0)
 
 
-def test_rates_count_the_window_where_every_worker_was_busy_past_its_first_request():
+def test_rates_are_each_workers_steady_rate_summed():
     engine = level("engine_stream", 0.01)
-    # Window: from the last first answer (t=1.0) to the earliest last start (t=8.5); 7 + 8 requests end inside it.
-    assert engine.window_s == pytest.approx(7.5)
-    assert engine.output_tokens_per_s == pytest.approx(150 / 7.5)
+    # Each worker's requests between its first and its last: 8 of 10 tokens in 8 s, 10 tokens/s each.
+    assert engine.output_tokens_per_s == pytest.approx(20.0)
+    assert engine.requests_per_s == pytest.approx(2.0)
+    assert engine.window_s == pytest.approx(8.0)
     assert engine.errors == 1 and engine.first_error == "refused"
     assert engine.cpu_s_per_1k_tokens == {"tensorrt_llm": round(2000 / 190, 4), "client": round(1000 / 190, 4)}
     assert engine.cores == {"tensorrt_llm": 0.2, "client": 0.1}
