@@ -41,6 +41,7 @@ class Record:
     first_token: float | None  # streaming only
     output_tokens: int
     error: str | None = None
+    responses: int = 0  # responses that carried tokens (counted by the engine model's own targets)
 
 
 @dataclass
@@ -308,7 +309,7 @@ class Targets:
             yield {"model_name": "tensorrt_llm", "inputs": inputs, "request_id": uuid.uuid4().hex}
 
         start = time.perf_counter()
-        first, tokens, error = None, 0, None
+        first, tokens, responses, error = None, 0, 0, None
         async for result, failed in self.grpc.stream_infer(requests()):
             if failed is not None:
                 error = failed.message()
@@ -317,7 +318,8 @@ class Targets:
             if length is not None and int(length.reshape(-1)[0]) > 0:
                 first = first or time.perf_counter()
                 tokens += int(length.reshape(-1)[0])
-        return Record(start, time.perf_counter(), first, tokens, error)
+                responses += 1
+        return Record(start, time.perf_counter(), first, tokens, error, responses)
 
     async def engine(self, i: int) -> Record:
         import tritonclient.http as httpclient

@@ -32,7 +32,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +98,7 @@ class Level:
     window_s: float
     output_tokens_per_s: float
     requests_per_s: float
+    responses_per_s: float | None  # the engine model's own targets: responses that carried tokens
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
     itl_p50_ms: float | None
@@ -157,7 +158,7 @@ async def _closed_loop(job: dict) -> list[list[Record]]:
             except (TimeoutError, asyncio.TimeoutError):
                 record = Record(started, time.perf_counter(), None, 0, "no answer: the server stalled")
             first = None if record.first_token is None else record.first_token + offset
-            mine.append(Record(record.start + offset, record.end + offset, first, record.output_tokens, record.error))
+            mine.append(replace(record, start=record.start + offset, end=record.end + offset, first_token=first))
             if record.error == "no answer: the server stalled":
                 return
             i += job["stride"] * job["concurrency"]
@@ -212,12 +213,12 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 2) if values else None
 
 
-def steady_rates(workers: list[list[Record]]) -> tuple[float, float, float]:
-    """(output tokens/s, requests/s, mean seconds measured per worker): each worker's own rate over its requests
-    after the first and before the last (back to back, so their span is the time between those two), summed over
-    the workers. The first requests of a level start together and the last ones end while others have stopped:
-    neither is steady; every worker sends at least MIN_ROUNDS requests so that one is left between them."""
-    tokens = requests = spans = 0.0
+def steady_rates(workers: list[list[Record]]) -> tuple[float, float, float, float]:
+    """(output tokens/s, requests/s, responses/s, mean seconds measured per worker): each worker's own rate over
+    its requests after the first and before the last (back to back, so their span is the time between those two),
+    summed over the workers. The first requests of a level start together and the last ones end while others have
+    stopped: neither is steady; every worker sends at least MIN_ROUNDS requests so that one is left between them."""
+    tokens = requests = responses = spans = 0.0
     measured = 0
     for worker in workers:
         middle = worker[1:-1]
@@ -227,9 +228,10 @@ def steady_rates(workers: list[list[Record]]) -> tuple[float, float, float]:
         good = [r for r in middle if r.error is None]
         tokens += sum(r.output_tokens for r in good) / span
         requests += len(good) / span
+        responses += sum(r.responses for r in good) / span
         spans += span
         measured += 1
-    return tokens, requests, spans / measured if measured else 0.0
+    return tokens, requests, responses, spans / measured if measured else 0.0
 
 
 def summarize(target: str, concurrency: int, workers: list[list[Record]], cpu: dict, elapsed: float) -> Level:
@@ -237,7 +239,7 @@ def summarize(target: str, concurrency: int, workers: list[list[Record]], cpu: d
     good = [r for r in records if r.error is None]
     if not good:
         raise RuntimeError(f"{target} at concurrency {concurrency}: every request failed: {records[0].error}")
-    tokens_per_s, requests_per_s, window = steady_rates(workers)
+    tokens_per_s, requests_per_s, responses_per_s, window = steady_rates(workers)
     tokens = sum(r.output_tokens for r in good)
     ttft = [(r.first_token - r.start) * 1000 for r in good if r.first_token is not None]
     itl = [
@@ -255,6 +257,7 @@ def summarize(target: str, concurrency: int, workers: list[list[Record]], cpu: d
         window_s=round(window, 3),
         output_tokens_per_s=round(tokens_per_s, 1),
         requests_per_s=round(requests_per_s, 2),
+        responses_per_s=round(responses_per_s, 1) if responses_per_s else None,
         ttft_p50_ms=_pct(ttft, 50),
         ttft_p99_ms=_pct(ttft, 99),
         itl_p50_ms=_pct(itl, 50),
