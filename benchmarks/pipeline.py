@@ -391,9 +391,9 @@ def summary(rows: list[dict], settings: dict) -> str:
         "",
         "Settings: " + ", ".join(f"{k} {v}" for k, v in settings.items()),
         "",
-        "| target | conc. | tok/s | req/s | / engine | +TTFT p50 | +TTFT p99 | +TBT p50 | +TBT p99 "
+        "| target | conc. | tok/s | req/s | resp/s | / engine | +TTFT p50 | +TTFT p99 | +TBT p50 | +TBT p99 "
         "| +latency p50 | errors | CPU s / 1k tok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r["concurrency"], r["target"])):
         lines.append(
@@ -405,6 +405,7 @@ def summary(rows: list[dict], settings: dict) -> str:
                     "concurrency",
                     "output_tokens_per_s",
                     "requests_per_s",
+                    "responses_per_s",
                     "ratio_to_engine",
                     "added_ttft_p50_ms",
                     "added_ttft_p99_ms",
