@@ -29,7 +29,7 @@ import csv
 import json
 import multiprocessing
 import os
-import subprocess
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.loadgen import Record, Targets, chat_token_ids
+from benchmarks.procs import alive, cpu_seconds, profiled, stub_pids
 
 PAIRS = {  # entry point -> the engine-alone target it is compared with
     "bls_grpc": "engine_stream",
@@ -175,31 +176,12 @@ async def _closed_loop(job: dict) -> list[list[Record]]:
 
 def process_groups(server_pid: int, openai_pid: int | None) -> dict[str, list[int]]:
     """tritonserver, each model's stub processes (by model name), the OpenAI layer."""
-    lines = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
     groups: dict[str, list[int]] = {"tritonserver": [server_pid]}
-    for line in lines:
-        if "triton_python_backend_stub " in line:  # its first argument is .../<model>/<version>/model.py
-            pid, _, model_file = line.split()[:3]
-            groups.setdefault(model_file.split("/")[-3], []).append(int(pid))
+    for model, pid in stub_pids():
+        groups.setdefault(model, []).append(int(pid))
     if openai_pid is not None:
         groups["openai"] = [openai_pid]
     return groups
-
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def alive(pid: int) -> bool:
-    """Not gone and not a zombie (a stub that died stays <defunct> under tritonserver, which does not notice)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def cpu_snapshot(groups: dict[str, list[int]]) -> dict[str, float]:
@@ -286,8 +268,15 @@ class Bench:
         list(self.pool.map(time.sleep, [0.0] * args.clients))  # start them before anything is measured
         self.client_pids = [p.pid for p in self.pool._processes.values()]
 
-    def run(self, target: str, concurrency: int, seconds: float) -> Level:
+    def run(self, target: str, concurrency: int, seconds: float, profile_dir: Path | None = None) -> Level:
+        """One level; with `profile_dir`, py-spy records every process of the server but tritonserver (C++) for
+        the level's `seconds`."""
         groups = process_groups(self.server.process.pid, self.openai.process.pid if self.openai else None)
+        spied = [(f"{name}-{pid}", str(pid)) for name, pids in groups.items() if name != "tritonserver" for pid in pids]
+        with profiled(profile_dir, f"{target}-c{concurrency}", max(1, int(seconds)), spied):
+            return self._run(target, concurrency, seconds, groups)
+
+    def _run(self, target: str, concurrency: int, seconds: float, groups: dict[str, list[int]]) -> Level:
         clients = min(self.args.clients, concurrency)
         shares = [concurrency // clients + (k < concurrency % clients) for k in range(clients)]
         before, started = cpu_snapshot(groups), time.perf_counter()
@@ -438,8 +427,6 @@ def summary(rows: list[dict], settings: dict) -> str:
 def tokenizer_folder(tokenizer_dir: Path, out: Path) -> Path:
     """A folder the build takes for a model (config.json + tokenizer) from tokenizer files alone: the synthetic
     engine needs only the tokenizer and the vocabulary (a GPU host given the bundle's tokenizer, gpu_bench.sh)."""
-    import shutil
-
     from transformers import AutoTokenizer, LlamaConfig
 
     shutil.copytree(tokenizer_dir, out, dirs_exist_ok=True)
@@ -502,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--clients", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)))
+    parser.add_argument(
+        "--profile-dir", type=Path, help="py-spy profiles of each stub and the OpenAI layer, per level (needs py-spy)"
+    )
     parser.add_argument("--build-args", nargs=argparse.REMAINDER, default=[], help="more build_engines.py options")
     args = parser.parse_args(argv)
     args.build_dir = args.build_dir.resolve()
@@ -510,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     targets = [t for t in args.targets.split(",") if t]
     if unknown := [t for t in targets if t not in PAIRS]:
         raise SystemExit(f"bench-pipeline: unknown targets {unknown}; choose among {', '.join(PAIRS)}")
+    if args.profile_dir and shutil.which("py-spy") is None:
+        raise SystemExit("bench-pipeline: --profile-dir needs py-spy on PATH (pip install py-spy)")
     args.out.mkdir(parents=True, exist_ok=True)
     build = build_repository(args)
     manifest = json.loads((build / "manifest.json").read_text())
@@ -544,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                 for target in (PAIRS[name], name):
                     if (target, concurrency) in levels and target.startswith("engine"):
                         continue  # one engine baseline per kind and level, run just before its first entry point
-                    levels[target, concurrency] = level = bench.run(target, concurrency, args.seconds)
+                    levels[target, concurrency] = level = bench.run(target, concurrency, args.seconds, args.profile_dir)
                     print(json.dumps(asdict(level)), flush=True)
     except RuntimeError as exc:  # what was measured until then is still written
         failure = exc

@@ -1,0 +1,64 @@
+"""The server's processes as the benchmarks see them: stub discovery, CPU seconds, liveness, py-spy profiles."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+
+def stub_pids() -> list[tuple[str, str]]:
+    """(model, pid) of every Python-backend stub process on this machine, and ("engine_process", pid) of the
+    engine's own process (tritonllm/engine/process.py) where it runs apart from its stub."""
+    lines = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    # A stub's arguments start with its model file: .../<model>/<version>/model.py
+    stubs = [(line.split()[2].split("/")[-3], line.split()[0]) for line in lines if "python_backend_stub " in line]
+    return stubs + [("engine_process", line.split()[0]) for line in lines if "-m tritonllm.engine.process" in line]
+
+
+def cpu_seconds(pid: int | str) -> float:
+    """CPU seconds (user + system) a process has used so far; 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def alive(pid: int | str) -> bool:
+    """Not gone and not a zombie (a stub that died stays <defunct> under tritonserver, which does not notice)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+SPY_OPTIONS: list[str] = ["--nonblocking", "--rate", "200"]  # py-spy options for every profile
+
+
+@contextlib.contextmanager
+def profiled(out: Path | None, label: str, seconds: int, pids: list[tuple[str, str]] | None = None):
+    """py-spy on `pids` ((name, pid); default: the engine's and the streaming model's stubs) while the block
+    runs, and the shared libraries each process has loaded (a stub embeds its own libpython)."""
+    if out is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    if pids is None:
+        pids = [(m, pid) for m, pid in stub_pids() if m in ("tensorrt_llm", "tensorrt_llm_bls", "engine_process")]
+    spies = []
+    for name, pid in pids:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        (out / f"{label}-{name}-libs.txt").write_text("\n".join(sorted({m.split()[-1] for m in maps if ".so" in m})))
+        command = ["py-spy", "record", "--format", "raw", "--threads", *SPY_OPTIONS]
+        command += ["--duration", str(seconds)]
+        command += ["--pid", pid, "--output", str(out / f"{label}-{name}.txt")]
+        spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        yield
+    finally:
+        for spy in spies:
+            _, err = spy.communicate()
+            if spy.returncode:
+                print("py-spy:", err.strip()[-300:], flush=True)
