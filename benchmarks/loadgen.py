@@ -72,13 +72,7 @@ def summarize(target: str, concurrency: int, records: Sequence[Record], duration
     if not good:
         raise RuntimeError(f"{target} at concurrency {concurrency}: every request failed: {records[0].error}")
     duration = span(good) if duration is None else duration
-    latency = np.array([r.end - r.start for r in good]) * 1000
-    ttft = [(r.first_token - r.start) * 1000 for r in good if r.first_token is not None]
-    itl = [
-        (r.end - r.first_token) * 1000 / (r.output_tokens - 1)
-        for r in good
-        if r.first_token is not None and r.output_tokens > 1
-    ]
+    ttft, itl, latency = token_latencies(good)
     return LevelResult(
         target=target,
         concurrency=concurrency,
@@ -94,6 +88,18 @@ def summarize(target: str, concurrency: int, records: Sequence[Record], duration
         itl_mean_ms=round(float(np.mean(itl)), 2) if itl else None,
         itl_p50_ms=round(float(np.percentile(itl, 50)), 2) if itl else None,
     )
+
+
+def token_latencies(records: Sequence[Record]) -> tuple[list[float], list[float], list[float]]:
+    """In ms: each streamed request's time to first token and mean time between its tokens after the first, and
+    every request's latency."""
+    ttft = [(r.first_token - r.start) * 1000 for r in records if r.first_token is not None]
+    itl = [
+        (r.end - r.first_token) * 1000 / (r.output_tokens - 1)
+        for r in records
+        if r.first_token is not None and r.output_tokens > 1
+    ]
+    return ttft, itl, [(r.end - r.start) * 1000 for r in records]
 
 
 def span(records: Sequence[Record]) -> float:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.loadgen import Record, Targets, chat_token_ids
+from benchmarks.loadgen import Record, Targets, chat_token_ids, token_latencies
 from benchmarks.procs import alive, cpu_seconds, profiled, stub_pids
 
 PAIRS = {  # entry point -> the engine-alone target it is compared with
@@ -57,6 +57,7 @@ METHODS = {  # target -> loadgen.Targets method
     "ensemble_grpc": "ensemble_grpc",
 }
 MIN_ROUNDS = 3  # requests per worker and level, at least: the first round starts in step and is not steady
+STALLED = "no answer: the server stalled"
 GRACE_S = 120.0  # how long past a level's end a request may take before it counts as stalled
 WORDS = [
     "signal",
@@ -157,10 +158,10 @@ async def _closed_loop(job: dict) -> list[list[Record]]:
             try:  # a request that outlives the level's deadline by far means a stalled server: an error, not a hang
                 record = await asyncio.wait_for(send(i), deadline)
             except (TimeoutError, asyncio.TimeoutError):
-                record = Record(started, time.perf_counter(), None, 0, "no answer: the server stalled")
+                record = Record(started, time.perf_counter(), None, 0, STALLED)
             first = None if record.first_token is None else record.first_token + offset
             mine.append(replace(record, start=record.start + offset, end=record.end + offset, first_token=first))
-            if record.error == "no answer: the server stalled":
+            if record.error == STALLED:
                 return
             i += job["stride"] * job["concurrency"]
 
@@ -223,13 +224,7 @@ def summarize(target: str, concurrency: int, workers: list[list[Record]], cpu: d
         raise RuntimeError(f"{target} at concurrency {concurrency}: every request failed: {records[0].error}")
     tokens_per_s, requests_per_s, responses_per_s, window = steady_rates(workers)
     tokens = sum(r.output_tokens for r in good)
-    ttft = [(r.first_token - r.start) * 1000 for r in good if r.first_token is not None]
-    itl = [
-        (r.end - r.first_token) * 1000 / (r.output_tokens - 1)
-        for r in good
-        if r.first_token is not None and r.output_tokens > 1
-    ]
-    latency = [(r.end - r.start) * 1000 for r in good]
+    ttft, itl, latency = token_latencies(good)
     errors = [r for r in records if r.error is not None]
     return Level(
         target=target,
@@ -266,7 +261,6 @@ class Bench:
         context = multiprocessing.get_context("spawn")
         self.pool = concurrent.futures.ProcessPoolExecutor(args.clients, mp_context=context)
         list(self.pool.map(time.sleep, [0.0] * args.clients))  # start them before anything is measured
-        self.client_pids = [p.pid for p in self.pool._processes.values()]
 
     def run(self, target: str, concurrency: int, seconds: float, profile_dir: Path | None = None) -> Level:
         """One level; with `profile_dir`, py-spy records every process of the server but tritonserver (C++) for

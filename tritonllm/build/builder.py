@@ -72,7 +72,7 @@ class BuildPlan:
         the ensemble's requests in flight at 32. The pool gets one thread per request the engine
         admits (running and waiting) on top of the default 32, up to MAX_BACKEND_THREADS: every
         Python-backend instance gets such a pool in the server process, and at 1,024 admitted requests
-        seven instances held 14,600 threads, more than a container may start (a stub died).
+        seven instances held 14,600 threads.
         """
         threads = min(self.max_batch_size + self.queue_size + 32, MAX_BACKEND_THREADS)
         return [f"--backend-config=python,thread-pool-size={threads}"]
@@ -103,18 +103,25 @@ def kv_bytes_per_token(text_config, dtype: str) -> int:
     return 2 * text_config.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
+def input_len(args: argparse.Namespace, max_seq_len: int, what: str) -> int:
+    """--max-input-len, by default 3/4 of the sequence; BuildError unless it leaves room to generate."""
+    max_input_len = args.max_input_len or max_seq_len * 3 // 4
+    if not 1 <= max_input_len < max_seq_len:
+        raise BuildError(f"--max-input-len {max_input_len} must be at least 1 and below {what}")
+    return max_input_len
+
+
 def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     from transformers import AutoConfig
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
     model_max = getattr(text_config, "max_position_embeddings", None) or args.max_seq_len
     max_seq_len = min(args.max_seq_len, model_max)
-    max_input_len = args.max_input_len or max_seq_len * 3 // 4
-    if not 1 <= max_input_len < max_seq_len:
-        raise BuildError(
-            f"--max-input-len {max_input_len} must be at least 1 and below the max sequence length {max_seq_len} "
-            f"(the smaller of --max-seq-len and the model's {model_max} positions)"
-        )
+    max_input_len = input_len(
+        args,
+        max_seq_len,
+        f"the max sequence length {max_seq_len} (the smaller of --max-seq-len and the model's {model_max} positions)",
+    )
     max_batch_size = args.max_batch_size or 16
     if max_batch_size < 1:
         raise BuildError(f"--max-batch-size must be at least 1, got {max_batch_size}")
@@ -150,11 +157,7 @@ def plan_synthetic(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     """The benchmark engine: the model's tokenizer and vocabulary, no weights (tritonllm/engine/synthetic.py)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    max_input_len = args.max_input_len or args.max_seq_len * 3 // 4
-    if not 1 <= max_input_len < args.max_seq_len:
-        raise BuildError(
-            f"--max-input-len {max_input_len} must be at least 1 and below --max-seq-len {args.max_seq_len}"
-        )
+    max_input_len = input_len(args, args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = SyntheticConfig(
         text_ids=tuple(tokenizer(PASSAGE, add_special_tokens=False)["input_ids"]),
