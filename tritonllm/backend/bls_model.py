@@ -42,6 +42,8 @@ from tritonllm.backend.triton_glue import (
     model_config,
     parameters,
     raise_if_error,
+    requested_outputs,
+    to_tensors,
 )
 from tritonllm.errors import InputError
 from tritonllm.protocol import stop_request_tensors
@@ -61,6 +63,7 @@ class _Request:
     """One client request as the sender thread sees it."""
 
     sender: object
+    wanted: set[str] | None = None  # the outputs the client asked for (None: all; triton_glue.requested_outputs)
     cancelled: bool = False  # set by the sender thread, read by the request's worker
     engine_id: str | None = None  # its engine request's id, once being sent: the key of its `stop` request
     stopped: bool = False  # the sender thread sent a `stop` request for it
@@ -157,7 +160,7 @@ class StreamingModel:
             except Exception as exc:
                 sender.send(error_response(exc), flags=FINAL)
                 continue
-            state = _Request(sender)
+            state = _Request(sender, requested_outputs(request))
             self._live[id(state)] = state
             self.workers.submit(self._generate, arrays, state)
         return None
@@ -168,7 +171,7 @@ class StreamingModel:
         """A text delta, or the final response (a text delta is never sent after it)."""
         if isinstance(item, _Delta):
             tensors = item.tensors(state.log_probs >= 0, max(state.log_probs, 0))
-            state.sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in tensors.items()]))
+            state.sender.send(pb_utils.InferenceResponse(to_tensors(tensors, state.wanted)))
             return
         self._live.pop(id(state), None)
         if state.cancelled:  # the stub answers it without a round trip now: wait for another's
@@ -225,7 +228,7 @@ class StreamingModel:
                 final["num_output_tokens"] = np.array([[stream.num_tokens]], dtype=np.int32)
             if state.log_probs >= 0:
                 final["cum_log_probs"] = np.array([[whole.cum_log_prob]], dtype=np.float32)
-            response = pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in final.items()])
+            response = pb_utils.InferenceResponse(to_tensors(final, state.wanted))
         except _Cancelled:
             response = pb_utils.InferenceResponse(
                 error=pb_utils.TritonError("request was cancelled", pb_utils.TritonError.CANCELLED)

@@ -33,6 +33,7 @@ from tritonllm.backend.triton_glue import (
     log_info,
     model_config,
     parameters,
+    requested_outputs,
     to_tensors,
 )
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, BlockingGenerate, Emission, EngineConfig, GenerationRequest
@@ -54,6 +55,7 @@ class _Call:
     exclude_input: bool
     pad_id: int
     counts: tuple[bool, bool]  # return_num_input_tokens, return_num_output_tokens
+    wanted: set[str] | None  # the outputs the request asked for (triton_glue.requested_outputs)
     engine_ids: list[str] = field(default_factory=list)
     tokens: dict[int, list[int]] = field(default_factory=dict)  # finished rows
     log_probs: dict[int, list] = field(default_factory=dict)  # finished rows' TokenLogProbs, when asked
@@ -122,7 +124,13 @@ class EngineModel:
                     bool(scalar(arrays, "return_num_output_tokens", 0)),
                 )
                 call = _Call(
-                    sender, request.request_id(), rows, exclude_input(arrays, self.exclude_input), pad_id, counts
+                    sender,
+                    request.request_id(),
+                    rows,
+                    exclude_input(arrays, self.exclude_input),
+                    pad_id,
+                    counts,
+                    requested_outputs(request),
                 )
             except Exception as exc:
                 kind = "server_busy" if isinstance(exc, ServerBusy) else "invalid_input"
@@ -225,7 +233,7 @@ class EngineModel:
             call.sender.send(flags=FINAL)
         else:
             call.sender.send(
-                pb_utils.InferenceResponse(output_tensors=to_tensors(outputs)), flags=FINAL if final else 0
+                pb_utils.InferenceResponse(output_tensors=to_tensors(outputs, call.wanted)), flags=FINAL if final else 0
             )
 
     def _stream_outputs(self, call: _Call, emission: Emission) -> dict | None:

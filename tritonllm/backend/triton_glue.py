@@ -65,6 +65,7 @@ def input_arrays(request) -> dict[str, np.ndarray]:
 
 
 def to_tensors(outputs: dict[str, np.ndarray], wanted: set[str] | None = None) -> list:
+    """The tensors of a response, only those in `wanted` (see `requested_outputs`)."""
     return [pb_utils.Tensor(name, array) for name, array in outputs.items() if wanted is None or name in wanted]
 
 
@@ -124,6 +125,14 @@ def error_response(exc: BaseException):
 
 
 def requested_outputs(request) -> set[str] | None:
+    """The outputs a request asked for (None: all). A response must carry no other.
+
+    The stub (tritonserver 2.51, and upstream since) drops the outputs a request did not ask for
+    in `ResponseSender.send` after releasing the GIL: the dropped tensors' numpy arrays are freed
+    without it. Under Python 3.12 that is a segfault in the stub (`_PyObject_Free` finds no thread
+    state) at the first such response; under 3.11 it corrupts the heap, which shows later and
+    rarely. So every response is cut to the request's outputs here, under the GIL.
+    """
     names = request.requested_output_names()
     return set(names) if names else None
 

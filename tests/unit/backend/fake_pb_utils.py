@@ -85,13 +85,21 @@ def get_input_tensor_by_name(request, name: str) -> Tensor | None:
 
 
 class ResponseSender:
-    """Records each `send` as (response, flags); `cancelled` is what `is_cancelled` answers."""
+    """Records each `send` as (response, flags); `cancelled` is what `is_cancelled` answers.
 
-    def __init__(self) -> None:
+    A response carrying an output its request did not ask for is refused: the real stub drops such
+    outputs without the GIL and crashes (see tritonllm.backend.triton_glue.requested_outputs)."""
+
+    def __init__(self, requested: list[str] | None = None) -> None:
         self.sent: list[tuple[InferenceResponse | None, int]] = []
         self.cancelled = False
+        self.requested = set(requested or [])  # empty: all outputs, as Triton fills a request that names none
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if response is not None and self.requested:
+            extra = sorted({t.name() for t in response.output_tensors()} - self.requested)
+            if extra:
+                raise AssertionError(f"response carries outputs the request did not ask for: {extra}")
         self.sent.append((response, flags))
 
     def is_cancelled(self) -> bool:
@@ -118,7 +126,7 @@ class Request:
         self._inputs = [Tensor(name, array) for name, array in inputs.items()]
         self._id, self._requested = request_id, list(requested or [])
         self._parameters = json.dumps(parameters or {})
-        self.sender = ResponseSender()
+        self.sender = ResponseSender(self._requested)
 
     def parameters(self) -> str:
         return self._parameters

@@ -118,3 +118,14 @@ def test_a_cancelled_request_the_engine_answered_is_left_to_its_worker(bls, pb_u
     model._live = {id(answered): answered}
     model._check_cancelled()
     assert answered.cancelled and not answered.stopped and pb_utils.bls_requests == []
+
+
+def test_a_streamed_delta_carries_only_the_outputs_the_client_asked_for(bls, pb_utils):
+    """A client asking for text_output alone with return_log_probs: the ids and log probs stay out (the stub
+    would drop them without the GIL, a segfault under Python 3.12)."""
+    bls_model, model = bls
+    state = bls_model._Request(pb_utils.ResponseSender(["text_output"]), {"text_output"}, log_probs=0)
+    model._send(state, bls_model._Delta("café", [5], [-0.5]))
+    [(response, flags)] = state.sender.sent
+    assert [t.name() for t in response.output_tensors()] == ["text_output"] and flags == 0
+    assert response.output_tensors()[0].as_numpy().tolist() == ["café".encode()]

@@ -115,8 +115,9 @@ def model(pb_utils):
     return model
 
 
-def request(pb_utils, *prompts: list[int], request_id: str = "", **extra: np.ndarray):
-    """A `tensorrt_llm` request of one row per prompt, 3 tokens to generate each, with `extra` inputs."""
+def request(pb_utils, *prompts: list[int], request_id: str = "", requested: list[str] | None = None, **extra):
+    """A `tensorrt_llm` request of one row per prompt, 3 tokens to generate each, with `extra` inputs, asking for
+    the `requested` outputs (default: all)."""
     ids = np.asarray(prompts, dtype=np.int32)
     inputs = {
         "input_ids": ids,
@@ -124,7 +125,7 @@ def request(pb_utils, *prompts: list[int], request_id: str = "", **extra: np.nda
         "request_output_len": np.full((len(prompts),), 3, dtype=np.int32),
         **extra,
     }
-    return pb_utils.Request(inputs, request_id=request_id)
+    return pb_utils.Request(inputs, request_id=request_id, requested=requested)
 
 
 def stop_request(pb_utils, request_id: str):
@@ -422,6 +423,24 @@ def test_a_stream_that_ends_without_new_tokens_gets_an_empty_final_response(mode
     model.engine.emit("e0", Emission([], FINISH_EOS))
     assert [flags for _, flags in stream.sender.sent] == [0, FINAL]
     assert stream.sender.sent[-1][0] is None
+
+
+def test_a_response_carries_only_the_outputs_its_request_asked_for(model, pb_utils):
+    # tensorrt_llm_bls asks for output_ids and sequence_length and passes return_num_output_tokens on: the
+    # stub would drop num_output_tokens without the GIL (a segfault under Python 3.12).
+    counts = {"return_num_output_tokens": np.array([[True]])}
+    stream = request(pb_utils, [1, 2], requested=["output_ids", "sequence_length"], **counts, **STREAMING)
+    model.execute([stream])
+    model.engine.emit("e0", Emission([5]))
+    model.engine.emit("e0", Emission([6], FINISH_LENGTH))
+    assert [sorted(t.name() for t in r.output_tensors()) for r, _ in stream.sender.sent] == [
+        ["output_ids", "sequence_length"]
+    ] * 2
+    everything = request(pb_utils, [1, 2], **counts, **STREAMING)
+    model.execute([everything])
+    model.engine.emit("e1", Emission([6], FINISH_LENGTH))
+    [(response, _)] = everything.sender.sent
+    assert pb_utils.get_output_tensor_by_name(response, "num_output_tokens").as_numpy().tolist() == [[1]]
 
 
 # Errors: an engine error ends the request with a tagged INTERNAL error, once.
