@@ -35,8 +35,10 @@ class BuildError(ConfigError):
 
 
 def text_instances(cores: int) -> int:
-    """Instances of preprocessing and postprocessing (each runs one batch of requests at a time): one per four
-    cores of the build host, at least two and at most eight."""
+    """Instances of preprocessing, postprocessing and tensorrt_llm_bls: one per four cores of the build host, at
+    least two and at most eight. Each is a process with its own GIL: preprocessing and postprocessing run one
+    batch at a time, and one tensorrt_llm_bls process, GIL-bound, carried ~35,000 streamed tokens/s on the
+    H200 host's cores (docs/performance.md)."""
     return max(2, min(8, cores // 4))
 
 
@@ -83,6 +85,7 @@ class BuildPlan:
             "max_queue_delay_microseconds": "0",
             "preprocessing_instance_count": str(self.text_instances),
             "postprocessing_instance_count": str(self.text_instances),
+            "bls_instance_count": str(self.text_instances),
             "tokenizer_dir": self.model_dir,
             "add_special_tokens": "true",
             "skip_special_tokens": "true",
