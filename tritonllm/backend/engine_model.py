@@ -274,3 +274,6 @@ class EngineModel:
     def finalize(self) -> None:
         self.engine.shutdown()
         self._outbox.close()
+        # The model is in reference cycles (its sender thread holds its bound methods), so without this its
+        # metric families would be freed at interpreter exit, after the stub's IPC is gone: a segfault there.
+        self.metrics = None
