@@ -28,11 +28,11 @@ from unittest import mock
 import numpy as np
 import torch
 
-from benchmarks.procs import SPY_OPTIONS, profiled, stub_pids
-from benchmarks.procs import cpu_seconds as process_cpu_seconds
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.procs import SPY_OPTIONS, profiled, stub_pids  # noqa: E402  (run as a script: needs ROOT)
+from benchmarks.procs import cpu_seconds as process_cpu_seconds  # noqa: E402
 
 QWEN_7B = dict(  # Qwen2.5-7B's shape (config.json of the released model)
     architectures=["Qwen2ForCausalLM"],

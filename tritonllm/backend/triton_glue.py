@@ -64,8 +64,8 @@ def input_arrays(request) -> dict[str, np.ndarray]:
     return {tensor.name(): np.array(tensor.as_numpy(), copy=True) for tensor in request.inputs()}
 
 
-def to_tensors(outputs: dict[str, np.ndarray], wanted: set[str] | None = None) -> list:
-    """The tensors of a response, only those in `wanted` (see `requested_outputs`)."""
+def to_tensors(outputs: dict[str, np.ndarray], wanted: set[str] | None) -> list:
+    """The tensors of a response, only those in `wanted`: the request's `requested_outputs`, always."""
     return [pb_utils.Tensor(name, array) for name, array in outputs.items() if wanted is None or name in wanted]
 
 
