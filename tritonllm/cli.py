@@ -20,6 +20,7 @@ COMMANDS = {
     "perf": ("benchmarks.perf", "perf_analyzer and genai-perf sweeps (source checkout)"),
     "bench": ("benchmarks.bench", "the CPU ratios benchmark (source checkout)"),
     "bench-pipeline": ("benchmarks.pipeline", "the pipeline's ceiling over the synthetic engine (source checkout)"),
+    "bench-peers": ("benchmarks.peers", "this server beside llama.cpp's and vLLM's on the CPU (source checkout)"),
 }
 
 

@@ -36,7 +36,14 @@ from tritonllm.backend.triton_glue import (
     requested_outputs,
     to_tensors,
 )
-from tritonllm.engine.api import ENGINE_CONFIG_FILE, BlockingGenerate, Emission, EngineConfig, GenerationRequest
+from tritonllm.engine.api import (
+    ENGINE_CONFIG_FILE,
+    LLAMACPP,
+    BlockingGenerate,
+    Emission,
+    EngineConfig,
+    GenerationRequest,
+)
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, InputError, ServerBusy
@@ -73,6 +80,11 @@ def load_engine(folder: Path, device: str) -> tuple[BlockingGenerate, str]:
     engine_config = EngineConfig(**json.loads((folder / ENGINE_CONFIG_FILE).read_text()))
     if device != "cpu":
         engine_config = dataclasses.replace(engine_config, device=device)  # the GPU of this instance
+    if engine_config.impl == LLAMACPP:
+        from tritonllm.engine.llamacpp import LlamaCppEngine
+
+        engine = LlamaCppEngine(engine_config)
+        return engine, f"llama.cpp engine ({engine.description})"
     # The engine in a child process (tritonllm/engine/process.py), which alone then loads torch, or in this one.
     if engine_config.engine_process:
         return EngineProcess(engine_config), f"portable engine on {device}, in a process of its own"

@@ -17,9 +17,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tritonllm.build.model_source import ModelSourceError, resolve_model
+from tritonllm.build.model_source import ModelSourceError, gguf_source, resolve_model, retype_gguf
 from tritonllm.build.repository import RepositoryError, write_repository
-from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
+from tritonllm.engine.api import ENGINE_CONFIG_FILE, GGUF_AS_IS, LLAMACPP, EngineConfig
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError
 from tritonllm.options import add_options, option_fields
@@ -114,7 +114,7 @@ def input_len(args: argparse.Namespace, max_seq_len: int, what: str) -> int:
     return max_input_len
 
 
-def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
+def plan_portable(model_dir: Path, gguf: Path | None, args: argparse.Namespace) -> BuildPlan:
     from transformers import AutoConfig
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
@@ -131,11 +131,20 @@ def plan_portable(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     options = {f.name: getattr(args, f.name) for f in engine_options()}
     try:
         config = EngineConfig(
-            str(model_dir), dtype=args.dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len, **options
+            str(model_dir),
+            gguf_file=str(gguf or ""),
+            dtype=args.dtype,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            **options,
         ).resolve()
     except ConfigError as exc:
         raise BuildError(str(exc)) from None
-    budget = int(args.kv_cache_gib * 2**30) // kv_bytes_per_token(text_config, config.dtype)
+    if config.impl == LLAMACPP and config.dtype != GGUF_AS_IS:
+        config = dataclasses.replace(config, gguf_file=str(retype_gguf(gguf, config.dtype, model_dir.parent)))
+    # llama.cpp keeps its KV cache in float16.
+    kv_dtype = "float16" if config.impl == LLAMACPP else config.dtype
+    budget = int(args.kv_cache_gib * 2**30) // kv_bytes_per_token(text_config, kv_dtype)
     kv_cache_tokens = min(budget, max_batch_size * max_seq_len)
     if kv_cache_tokens < max_seq_len:
         raise BuildError(
@@ -285,6 +294,16 @@ def build_trtllm_engine(model_dir: Path, engine_dir: Path, build_dir: Path, args
         raise BuildError(f"the engine build in {docker.IMAGE_TAG} failed (its output is above)")
 
 
+def engine_name(plan: BuildPlan) -> str:
+    """The engine, as the build's summary names it: the portable one says what runs the model, and on what."""
+    config = plan.engine_config
+    if config is None:
+        return plan.engine
+    if config.impl == LLAMACPP:
+        return f"portable (llama.cpp, {Path(config.gguf_file).name})"
+    return f"portable (transformers, {config.device})"
+
+
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -320,9 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--dtype",
-        choices=["auto", *DTYPE_BYTES],
+        choices=["auto", *DTYPE_BYTES, GGUF_AS_IS],
         default="auto",
-        help="weights and activations; auto: bfloat16 on GPUs, float32 on the CPU",
+        help="weights and activations; auto: bfloat16 on GPUs, float32 on the CPU; gguf: the GGUF file's own "
+        "(quantized) types, llama.cpp engine only",
     )
     parser.add_argument(
         "--max-batch-size",
@@ -369,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model_dir = resolve_model(args.model or None, build_dir)
         if args.engine == "portable":
-            plan = plan_portable(model_dir, args)
+            plan = plan_portable(model_dir, gguf_source(args.model or None), args)
         elif args.engine == "synthetic":
             plan = plan_synthetic(model_dir, args)
         else:
@@ -398,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     (build_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     print(
-        f"Rendered {build_dir / 'model_repository'} ({', '.join(models)}) for the {plan.engine} engine, "
+        f"Rendered {build_dir / 'model_repository'} ({', '.join(models)}) for the {engine_name(plan)} engine, "
         f"{plan.dtype}, max batch {plan.max_batch_size}, max input {plan.max_input_len}, "
         f"max sequence {plan.max_seq_len} tokens."
     )

@@ -45,6 +45,12 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file `model` names (the packaged default is one), or None."""
+    source = default_model_file() if not model else Path(model).expanduser()
+    return source.resolve() if source.suffix == ".gguf" and source.is_file() else None
+
+
 def resolve_model(model: str | None, build_dir: Path) -> Path:
     """Return a Hugging Face folder for `model`, converting a GGUF file into `build_dir/models/` if needed."""
     source = default_model_file() if not model else Path(model).expanduser()
@@ -136,3 +142,49 @@ def _remove_tree(path: Path) -> None:
     import shutil
 
     shutil.rmtree(path)
+
+
+GGUF_TYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}  # --dtype -> GGML tensor type
+
+
+def retype_gguf(gguf_file: Path, dtype: str, out_dir: Path) -> Path:
+    """A copy of a (quantized) GGUF file with every weight in `dtype`, for the llama.cpp engine: the weights the
+    transformers engine computes with (convert_gguf dequantizes the same way), so both engines give the same
+    answers. Skipped when already done."""
+    import gguf
+
+    out = out_dir / f"{gguf_file.stem}.{GGUF_TYPES[dtype]}.gguf"
+    stamp = out.with_suffix(".json")
+    signature = _source_signature(gguf_file)
+    if out.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == signature:
+        return out
+    print(f"Writing {out.name}: {gguf_file.name} with {dtype} weights (once) ...", flush=True)
+    target = gguf.GGMLQuantizationType[GGUF_TYPES[dtype]]
+    reader = gguf.GGUFReader(gguf_file)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    architecture = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(tmp, architecture, endianess=reader.endianess)
+    for field in reader.fields.values():
+        # The writer adds the architecture and the GGUF.* header fields itself; the file type changes.
+        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or field.name.startswith(
+            "GGUF."
+        ):
+            continue
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub_type)
+    writer.add_file_type(getattr(gguf.LlamaFileType, "ALL_F32" if dtype == "float32" else f"MOSTLY_{target.name}"))
+    for tensor in reader.tensors:
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # 1-D tensors (norms) stay float32, as llama.cpp's converter keeps them.
+        kind = target if weights.ndim > 1 else gguf.GGMLQuantizationType.F32
+        data = weights if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(weights, kind)
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out)
+    stamp.write_text(json.dumps(signature, indent=1))
+    return out

@@ -7,6 +7,7 @@ The engine model's stub imports only this when the engine runs in a process of i
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ from tritonllm.options import option
 from tritonllm.protocol import MAX_WORD_SEQUENCES
 
 AUTO_DEVICES = ("auto", "cpu", "cuda")
+TRANSFORMERS = "transformers"
+LLAMACPP = "llamacpp"
+LLAMA_MAX_SEQUENCES = 256  # llama.cpp's sequences per context (LLAMA_MAX_SEQ)
+GGUF_AS_IS = "gguf"  # the dtype of a llama.cpp engine that loads the GGUF file's own (quantized) types
 
 
 @dataclass(frozen=True)
@@ -137,9 +142,17 @@ class EngineConfig:
     """The portable engine's configuration. The build resolves it and writes it as engine.json; the engine model
     loads it with `EngineConfig(**json)`. Fields made with `option` are build options too (tritonllm/options.py)."""
 
-    model_dir: str
+    model_dir: str  # the Hugging Face folder (weights for transformers; the tokenizer for every engine)
+    impl: str = option(
+        "auto",
+        "what runs the model: llamacpp (the GGUF file through llama.cpp, CPU) or transformers (PyTorch, CPU or "
+        "CUDA); auto: llamacpp for a GGUF model on the CPU when llama-cpp-python is installed",
+        choices=("auto", TRANSFORMERS, LLAMACPP),
+        flag="--engine-impl",
+    )
+    gguf_file: str = ""  # the GGUF file the model came from, when it did: what the llama.cpp engine loads
     device: str = option("auto", "where the engine runs; auto: cuda when PyTorch sees a GPU", choices=AUTO_DEVICES)
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU; GGUF_AS_IS: the llama.cpp engine's file as it is
     max_batch_size: int = 16
     max_seq_len: int = 4096
     kv_cache_tokens: int = 16384  # KV cache capacity, in tokens, across all requests
@@ -205,9 +218,33 @@ class EngineConfig:
         elif device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {device}: PyTorch sees no CUDA GPU here. Use --device cpu (or auto).")
         cuda = device.startswith("cuda")
+        impl = self.impl
+        llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+        if impl == "auto":
+            impl = LLAMACPP if not cuda and self.gguf_file and llama_cpp else TRANSFORMERS
+        elif impl == LLAMACPP:
+            if cuda:
+                raise ConfigError("--engine-impl llamacpp runs on the CPU (a CPU build of llama.cpp): use --device cpu")
+            if not self.gguf_file:
+                raise ConfigError("--engine-impl llamacpp needs a GGUF model: MODEL=<file>.gguf (the default is one)")
+            if not llama_cpp:
+                raise ConfigError(
+                    "--engine-impl llamacpp: llama-cpp-python is not installed (`make build` installs it)"
+                )
+        if impl == LLAMACPP and self.max_batch_size > LLAMA_MAX_SEQUENCES:
+            raise ConfigError(
+                f"--max-batch-size {self.max_batch_size}: llama.cpp runs at most {LLAMA_MAX_SEQUENCES} requests at once"
+            )
+        if impl == LLAMACPP and self.engine_process:
+            raise ConfigError("--engine-process is for --engine-impl transformers: llama.cpp steps without the GIL")
+        if self.dtype == GGUF_AS_IS and impl != LLAMACPP:
+            raise ConfigError(
+                f"--dtype {GGUF_AS_IS} is for the llama.cpp engine (--engine-impl llamacpp, a GGUF model)"
+            )
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if cuda else "float32")
         graphs = cuda if self.cuda_graphs is None else self.cuda_graphs
         decided = {
+            "impl": impl,
             "device": device,
             "dtype": dtype,
             "cuda_graphs": graphs,

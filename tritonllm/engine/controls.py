@@ -22,6 +22,7 @@ from typing import ClassVar
 import torch
 
 from tritonllm.engine.api import TokenLogProbs
+from tritonllm.engine.logits import penalise
 from tritonllm.engine.sampling import ArgumentGroup, generated_count, prompt_length
 from tritonllm.protocol import MAX_TOP_LOG_PROBS
 
@@ -232,20 +233,13 @@ class Penalties(ArgumentGroup):
         # Rows without penalties read the zero row and neutral penalties: their scores come out unchanged.
         rows = torch.where(has_slot, slot, slots.zero)
         count = counts.index_select(0, rows)
-        seen = count > 0
+        repetition = repeated = presence = frequency = None
         if self._repetition:
             repetition = args[2].view(torch.float32).unsqueeze(-1)
-            repeated = seen | slots.prompt.index_select(0, rows)
-            # transformers' where(score < 0, score * penalty, score / penalty), without a select on the scores'
-            # signs (a branch per element on the CPU): for a penalty >= 1 that is the smaller of the two, else the
-            # larger, the same values.
-            scaled, divided = scores * repetition, scores / repetition
-            penalised = torch.where(repetition >= 1, torch.minimum(scaled, divided), torch.maximum(scaled, divided))
-            scores = torch.where(repeated, penalised, scores)
+            repeated = (count > 0) | slots.prompt.index_select(0, rows)
         if self._additive:
             presence, frequency = (row.view(torch.float32).unsqueeze(-1) for row in args[3:])
-            scores = scores - (frequency * count + presence * seen)
-        return scores
+        return penalise(scores, count, repeated, repetition, presence, frequency)
 
     def key(self) -> object:
         return self.active and ("penalties", self._repetition, self._additive, self.slots.key())

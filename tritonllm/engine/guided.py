@@ -44,12 +44,34 @@ def _reason(exc: Exception) -> str:
 
 
 @dataclass
-class _Follower:
+class Follower:
     """A request's grammar matcher and how many of its generated tokens it has accepted."""
 
     matcher: object
     accepted: int = 0
     lost: bool = False  # it refused a generated token: the request is no longer guided
+
+    def accept(self, token: int, request_id: str) -> bool:
+        """Lets the matcher take a generated token; False once it has lost the request."""
+        if self.lost:
+            return False
+        # A terminated matcher took its stop token; what follows (only stop tokens) is not its to take.
+        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            log.warning("request %s: its grammar refuses token %d; it goes on unguided", request_id, token)
+            self.lost = True
+            return False
+        self.accepted += 1
+        return True
+
+    def fill(self, mask: torch.Tensor, row: int) -> None:
+        """Row `row` of an int32 token bitmask: the tokens the grammar allows next."""
+        matcher = self.matcher
+        if matcher.is_terminated():  # its stop token was taken and the request goes on: only stop tokens again
+            mask[row].zero_()
+            for token in matcher.stop_token_ids:
+                mask[row, token // 32] |= BITS[token % 32]
+        else:
+            matcher.fill_next_token_bitmask(mask, row)
 
 
 class Guides:
@@ -66,7 +88,7 @@ class Guides:
         self._setup = threading.Lock()
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._followers: dict[str, _Follower] = {}
+        self._followers: dict[str, Follower] = {}
 
     def _compiler_ready(self):
         with self._setup:
@@ -129,7 +151,7 @@ class Guides:
         import xgrammar
 
         stop = [end_id] if 0 <= end_id < self.vocab_size else None
-        follower = _Follower(xgrammar.GrammarMatcher(compiled, override_stop_tokens=stop))
+        follower = Follower(xgrammar.GrammarMatcher(compiled, override_stop_tokens=stop))
         with self._lock:
             self._followers[request_id] = follower
 
@@ -137,7 +159,7 @@ class Guides:
         with self._lock:
             self._followers.pop(request_id, None)
 
-    def follower(self, request_id: str) -> _Follower | None:
+    def follower(self, request_id: str) -> Follower | None:
         return self._followers.get(request_id)
 
     def __len__(self) -> int:
@@ -171,7 +193,7 @@ class GuidedDecoding(ArgumentGroup):
                 continue
             if column >= self.max_rows:
                 raise RuntimeError(f"a step of more than {self.max_rows} requests with a new token")
-            self._fill(follower, column)
+            follower.fill(self.host_mask, column)
             columns.append(column)
         if not columns:
             return None
@@ -184,28 +206,9 @@ class GuidedDecoding(ArgumentGroup):
         args[0, columns] = 1
         return args
 
-    def _follow(self, state, follower: _Follower) -> bool:
+    def _follow(self, state, follower: Follower) -> bool:
         """Lets the matcher accept the tokens generated since the last step; False when it lost the request."""
-        if follower.lost:
-            return False
-        matcher = follower.matcher
-        for token in generated_tokens(state)[follower.accepted :]:
-            # A terminated matcher took its stop token; what follows (only stop tokens) is not its to take.
-            if not matcher.is_terminated() and not matcher.accept_token(token):
-                log.warning("request %s: its grammar refuses token %d; it goes on unguided", state.request_id, token)
-                follower.lost = True
-                return False
-            follower.accepted += 1
-        return True
-
-    def _fill(self, follower: _Follower, column: int) -> None:
-        matcher = follower.matcher
-        if matcher.is_terminated():  # its stop token was taken and the request goes on: only stop tokens again
-            self.host_mask[column].zero_()
-            for token in matcher.stop_token_ids:
-                self.host_mask[column, token // 32] |= BITS[token % 32]
-        else:
-            matcher.fill_next_token_bitmask(self.host_mask, column)
+        return all(follower.accept(token, state.request_id) for token in generated_tokens(state)[follower.accepted :])
 
     def apply(self, scores: torch.Tensor, args: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         rows, vocab = scores.shape

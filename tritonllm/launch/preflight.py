@@ -6,6 +6,7 @@ Standard library only: it runs with the system Python, before the virtualenv exi
 from __future__ import annotations
 
 import platform
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -41,6 +42,11 @@ def problems() -> list[str]:
             f"{libname} was not found: tritonserver's Python backend links it. "
             f"Install it (Debian/Ubuntu: apt-get install libpython{version[0]}.{version[1]}), "
             "or use a Python built with --enable-shared."
+        )
+    if not shutil.which("c++") and not shutil.which("g++"):
+        found.append(
+            "no C++ compiler: llama-cpp-python (the CPU engine's runtime) is compiled at install. "
+            "Install one (Debian/Ubuntu: apt-get install build-essential)."
         )
     return found
 

@@ -3,6 +3,7 @@
 from tests.conftest import ROOT
 from tritonllm.build import options_doc
 from tritonllm.build.builder import engine_options
+from tritonllm.options import flag_of
 
 
 def test_options_doc_is_current():
@@ -14,5 +15,5 @@ def test_options_doc_is_current():
 def test_every_engine_option_is_documented_with_its_help():
     text = options_doc.render()
     for option in engine_options():
-        assert f"`--{option.name.replace('_', '-')}`" in text
+        assert f"`{flag_of(option)}`" in text
         assert option.metadata["help"].split(";")[0] in text

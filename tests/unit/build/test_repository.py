@@ -180,7 +180,7 @@ def test_cuda_options_are_rendered_only_on_cuda(manifest, monkeypatch, flag, arg
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     flags = {"FLAG": flag, "NO_FLAG": "--no-" + flag[2:]}
-    plan = plan_portable(Path(manifest["model_dir"]), parse_args([flags.get(a, a) for a in argv]))
+    plan = plan_portable(Path(manifest["model_dir"]), None, parse_args([flags.get(a, a) for a in argv]))
     assert engine_json(plan)[flag[2:].replace("-", "_")] == expected
 
 
@@ -201,7 +201,7 @@ def test_options_follow_cuda_graphs_unless_asked(manifest, monkeypatch, option, 
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     argv = [a.replace("OPTION", option.replace("_", "-")) for a in argv]
-    plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
+    plan = plan_portable(Path(manifest["model_dir"]), None, parse_args(["--device", "cuda", *argv]))
     assert engine_json(plan)[option] == expected
 
 
@@ -218,7 +218,7 @@ def test_engine_process_follows_the_device_unless_asked(manifest, monkeypatch, a
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    plan = plan_portable(Path(manifest["model_dir"]), None, parse_args(argv))
     assert engine_json(plan)["engine_process"] == expected
 
 
@@ -227,7 +227,7 @@ def test_compile_is_asked_for(manifest, monkeypatch, argv, expected):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    plan = plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cuda", *argv]))
+    plan = plan_portable(Path(manifest["model_dir"]), None, parse_args(["--device", "cuda", *argv]))
     assert engine_json(plan)["compile"] == expected
 
 
@@ -244,13 +244,13 @@ def test_attention_is_varlen_on_cuda_unless_asked(manifest, monkeypatch, argv, c
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    plan = plan_portable(Path(manifest["model_dir"]), None, parse_args(argv))
     assert engine_json(plan)["attention"] == expected
 
 
 def test_varlen_attention_on_cpu_is_refused_with_what_to_do(manifest):
     with pytest.raises(BuildError, match=r"--attention varlen: .*use --attention sdpa on CPU"):
-        plan_portable(Path(manifest["model_dir"]), parse_args(["--device", "cpu", "--attention", "varlen"]))
+        plan_portable(Path(manifest["model_dir"]), None, parse_args(["--device", "cpu", "--attention", "varlen"]))
 
 
 def test_varlen_attention_in_float32_is_refused_with_what_to_do(manifest, monkeypatch):
@@ -259,7 +259,7 @@ def test_varlen_attention_in_float32_is_refused_with_what_to_do(manifest, monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     argv = ["--device", "cuda", "--dtype", "float32", "--attention", "varlen"]
     with pytest.raises(BuildError, match=r"--attention varlen: .*bfloat16 or float16 only.*not float32"):
-        plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+        plan_portable(Path(manifest["model_dir"]), None, parse_args(argv))
 
 
 def test_python_backend_threads_cover_every_admitted_request(tmp_path):
@@ -284,13 +284,13 @@ def test_python_backend_threads_cover_every_admitted_request(tmp_path):
 @pytest.mark.parametrize(("flag", "expected"), [("", "true"), ("--no-", "false")])
 def test_fusions_are_on_unless_asked(manifest, fusion, flag, expected):
     argv = [flag + fusion.replace("_", "-")] if flag else []
-    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    plan = plan_portable(Path(manifest["model_dir"]), None, parse_args(argv))
     assert engine_json(plan)[fusion] == expected
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], "10"), (["--cpu-niceness", "0"], "0")])
 def test_cpu_niceness_reaches_the_engine_config(manifest, argv, expected):
-    plan = plan_portable(Path(manifest["model_dir"]), parse_args(argv))
+    plan = plan_portable(Path(manifest["model_dir"]), None, parse_args(argv))
     assert engine_json(plan)["cpu_niceness"] == expected
 
 

@@ -7,18 +7,14 @@ import pytest
 import torch
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 
+from tritonllm.engine.logits import GREEDY, ban, sample, step_seed, uniform
 from tritonllm.engine.sampling import (
-    GREEDY,
     ArgumentGroups,
     BadWords,
     ProcessorKeyedGraphs,
     Sampling,
-    ban,
     key_graphs_by_processors,
     request_processors,
-    sample,
-    step_seed,
-    uniform,
 )
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # token 1 most likely, then 3, 2, 0

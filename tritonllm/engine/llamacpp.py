@@ -1,0 +1,354 @@
+"""The llama.cpp engine: a GGUF model on the CPU through libllama (llama-cpp-python's low-level API).
+
+One thread runs the steps, as llama.cpp's own server does: each step is one `llama_decode` over a batch that holds
+the next token of every generating request and, in the tokens left of the step's budget, chunks of the prompts of
+requests that joined (in-flight batching, one sequence id per request in a KV cache all requests share). A request
+joins when a sequence id is free and the cache has room for its prompt and its new tokens, so no step fails for
+want of cache. llama.cpp computes the step's logits; the host picks each request's token: the argmax of its row,
+or, for a request with generation controls, its row processed alone (tritonllm/engine/row_controls.py). Streaming,
+stop words, end id, cancellation and finish reasons are the portable engine's (tritonllm/engine/portable.py).
+
+`llama_decode` runs without the interpreter lock (ctypes releases it), so the engine model's sender thread sends
+responses while a step computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tritonllm.engine.api import (
+    BlockingGenerate,
+    Emission,
+    EngineConfig,
+    GenerationRequest,
+    TokenLogProbs,
+    check_request,
+    ends_with,
+)
+from tritonllm.engine.checks import check_controls
+from tritonllm.engine.cpu_threads import start_yielding
+from tritonllm.errors import EngineFailure
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+
+log = logging.getLogger(__name__)
+
+# ggml_log_level (ggml.h): WARN 3, ERROR 4; CONT 5 continues the previous line.
+_LOG_WARN, _LOG_ERROR, _LOG_CONT = 3, 4, 5
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request_id: str
+    request: GenerationRequest
+    emit: Callable[[Emission], None]
+    controls: object | None  # RowControls, for a request that uses any
+    pending: list[int]  # tokens to feed: the prompt, then each generated token
+    reserved: int  # KV cache cells held for it: its prompt and its new tokens
+    position: int = 0  # tokens in the KV cache
+    seq_id: int = -1  # llama.cpp's sequence id, once in the batch
+    tokens: list[int] = field(default_factory=list)  # generated, end id excluded
+    log_probs: list[TokenLogProbs] = field(default_factory=list)
+    sent: int = 0  # tokens already emitted (streaming)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    done: bool = False  # finished: the step loop frees its sequence
+
+
+class _Batch:
+    """A llama_batch over numpy arrays the engine fills with vectorised writes (one sequence id per token)."""
+
+    def __init__(self, llama, capacity: int, max_sequences: int) -> None:
+        self.token = np.zeros(capacity, np.int32)
+        self.pos = np.zeros(capacity, np.int32)
+        self.n_seq_id = np.ones(capacity, np.int32)
+        self.logits = np.zeros(capacity, np.int8)
+        self.seq_values = np.arange(max_sequences, dtype=np.int32)
+        self.seq_address = self.seq_values.ctypes.data + self.seq_values.itemsize * np.arange(
+            max_sequences, dtype=np.uint64
+        )
+        self.seq_id = np.zeros(capacity, np.uint64)  # pointers into seq_values
+        batch = self.struct = llama.llama_batch()
+        batch.token = self.token.ctypes.data_as(ctypes.POINTER(llama.llama_token))
+        batch.embd = None
+        batch.pos = self.pos.ctypes.data_as(ctypes.POINTER(llama.llama_pos))
+        batch.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        batch.seq_id = ctypes.cast(self.seq_id.ctypes.data, ctypes.POINTER(ctypes.POINTER(llama.llama_seq_id)))
+        batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        self.size = 0
+
+    def add(self, seq_id: int, tokens: list[int], start: int, wants_logits: bool) -> None:
+        n, end = self.size, self.size + len(tokens)
+        self.token[n:end] = tokens
+        self.pos[n:end] = np.arange(start, start + len(tokens))
+        self.seq_id[n:end] = self.seq_address[seq_id]
+        self.logits[n:end] = 0
+        self.logits[end - 1] = wants_logits
+        self.size = self.struct.n_tokens = end
+
+
+class LlamaCppEngine(BlockingGenerate):
+    """One model, one llama.cpp context, one thread that steps every request in flight."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import llama_cpp as llama
+
+        self.config = config
+        self._llama = llama
+        _route_llama_log(llama)
+        llama.llama_backend_init()
+        model_params = llama.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        self._model = llama.llama_model_load_from_file(config.gguf_file.encode(), model_params)
+        if not self._model:
+            raise EngineFailure(f"llama.cpp could not load {config.gguf_file}")
+        threads = len(os.sched_getaffinity(0))
+        params = llama.llama_context_default_params()
+        params.n_ctx = config.kv_cache_tokens
+        params.n_batch = params.n_ubatch = config.max_batch_tokens
+        params.n_seq_max = config.max_batch_size
+        params.n_threads = params.n_threads_batch = threads
+        params.kv_unified = True  # one cache all sequences share, not n_ctx / n_seq_max each
+        params.no_perf = True
+        self._ctx = llama.llama_init_from_model(self._model, params)
+        if not self._ctx:
+            llama.llama_model_free(self._model)
+            raise EngineFailure(f"llama.cpp could not make a context of {config.kv_cache_tokens} tokens")
+        self._memory = llama.llama_get_memory(self._ctx)
+        self.vocab_size = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self._model))
+        self.cache_tokens = llama.llama_n_ctx(self._ctx)
+        description = ctypes.create_string_buffer(128)
+        llama.llama_model_desc(self._model, description, len(description))
+        self.description = f"{description.value.decode(errors='replace')}, {threads} threads"
+        self._batch = _Batch(llama, config.max_batch_tokens, config.max_batch_size)
+        self._guides = None  # tritonllm.engine.guided.Guides, at the first guided request
+        self._lock = threading.RLock()  # emit callbacks run under it and may ask running() or cancel()
+        self._ids = itertools.count()
+        self._sequences: dict[str, _Sequence] = {}  # submitted and not finished
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []  # in the batch, in the order they joined (the loop's alone)
+        self._free_ids = list(range(config.max_batch_size - 1, -1, -1))
+        self._reserved = 0
+        self._work = threading.Event()
+        self._stopping = threading.Event()
+        self._loop_thread = threading.Thread(target=self._loop, name="llamacpp-engine", daemon=True)
+        # The step thread and llama.cpp's CPU threads, which it starts, yield the cores to the stream's other steps.
+        start_yielding(self._loop_thread.start, config.cpu_niceness)
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        """Queue a request; `emit` is called from the step thread as tokens arrive. Raises InputError, naming the
+        input, for controls out of range or a guide that does not compile."""
+        check_controls(request, self.vocab_size)
+        check_request(request)
+        request_id = f"l{next(self._ids)}"
+        reserved = min(len(request.input_ids) + request.max_new_tokens, self.config.max_seq_len)
+        if reserved > self.cache_tokens:
+            raise EngineFailure(f"a request of {reserved} tokens does not fit the KV cache of {self.cache_tokens}")
+        controls = self._controls(request, request_id)
+        sequence = _Sequence(request_id, request, emit, controls, list(request.input_ids), reserved)
+        with self._lock:
+            self._sequences[request_id] = sequence
+            self._waiting.append(sequence)
+        self._work.set()
+        return request_id
+
+    def _controls(self, request: GenerationRequest, request_id: str):
+        from tritonllm.engine.row_controls import RowControls, uses_controls  # torch: for the first one only
+
+        if not uses_controls(request):
+            return None
+        follower = None
+        if request.guide is not None:
+            if self._guides is None:
+                from tritonllm.engine.guided import Guides
+
+                self._guides = Guides(self.config.model_dir, self.vocab_size)
+            self._guides.start(request_id, self._guides.compile(request.guide), request.end_id)
+            follower = self._guides.follower(request_id)
+        return RowControls(request, self.vocab_size, follower, request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request; it gets a final "cancelled" emission, and the step loop frees its place."""
+        with self._lock:
+            sequence = self._sequences.get(request_id)
+            if sequence is not None:
+                self._finish(sequence, FINISH_CANCELLED)
+
+    def running(self) -> int:
+        with self._lock:
+            return len(self._sequences)
+
+    def in_batch(self) -> int:
+        return len(self._running)
+
+    def alive(self) -> bool:
+        return self._loop_thread.is_alive()
+
+    def captured_graphs(self) -> int:
+        return 0
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._work.set()
+        self._loop_thread.join(timeout=30)
+        self._fail_all("the engine is shutting down")
+        if not self._loop_thread.is_alive():  # a step still running would use them
+            self._llama.llama_free(self._ctx)
+            self._llama.llama_model_free(self._model)
+
+    # ------------------------------------------------------------------ the step loop
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._admit()
+                if not self._running:
+                    self._work.wait(0.1)
+                    self._work.clear()
+                    continue
+                self._step()
+        except Exception as exc:  # a bug or a failed decode: every request learns it, none waits forever
+            log.exception("the llama.cpp engine's step loop failed")
+            self._fail_all(f"the engine's step loop failed: {exc}")
+
+    def _admit(self) -> None:
+        """Frees the places of finished requests, then lets waiting ones join while ids and cache room last."""
+        for sequence in [s for s in self._running if s.done]:
+            self._running.remove(sequence)
+            self._llama.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
+            self._free_ids.append(sequence.seq_id)
+            self._reserved -= sequence.reserved
+        with self._lock:
+            while self._waiting and self._free_ids:
+                head = self._waiting[0]
+                if head.done:
+                    self._waiting.popleft()
+                    continue
+                if self._reserved + head.reserved > self.cache_tokens:
+                    break  # in order: a long request is not overtaken for ever by short ones
+                self._waiting.popleft()
+                head.seq_id = self._free_ids.pop()
+                self._reserved += head.reserved
+                self._running.append(head)
+
+    def _step(self) -> None:
+        batch, budget = self._batch, self.config.max_batch_tokens
+        batch.size = 0
+        outputs: list[_Sequence] = []
+        # Generating requests first, a token each; prompts take what is left of the step's budget.
+        for sequence in sorted(self._running, key=lambda s: len(s.pending) > 1):
+            room = budget - batch.size
+            if sequence.done or not room:
+                continue
+            chunk = sequence.pending[:room]
+            last = len(chunk) == len(sequence.pending)
+            batch.add(sequence.seq_id, chunk, sequence.position, last)
+            sequence.position += len(chunk)
+            del sequence.pending[: len(chunk)]
+            if last:
+                outputs.append(sequence)
+        if not batch.size:
+            return
+        code = self._llama.llama_decode(self._ctx, batch.struct)
+        if code != 0:
+            raise EngineFailure(f"llama_decode returned {code} for a step of {batch.size} tokens")
+        if not outputs:
+            return
+        logits = np.ctypeslib.as_array(self._llama.llama_get_logits(self._ctx), shape=(len(outputs), self.vocab_size))
+        best = logits.argmax(axis=1)
+        now = time.perf_counter()
+        for row, sequence in enumerate(outputs):
+            if sequence.controls is None:
+                token, log_probs = int(best[row]), None
+            else:
+                token, log_probs = sequence.controls.choose(logits[row], sequence.tokens)
+            self._advance(sequence, token, log_probs, now)
+
+    def _advance(self, sequence: _Sequence, token: int, log_probs: TokenLogProbs | None, now: float) -> None:
+        request = sequence.request
+        with self._lock:
+            if sequence.done:  # cancelled while its step ran
+                return
+            if sequence.first_token is None:
+                sequence.first_token = now
+            sequence.last_token = now
+            reason = None
+            if token == request.end_id:
+                reason = FINISH_EOS
+            else:
+                sequence.tokens.append(token)
+                sequence.pending.append(token)
+                if log_probs is not None:
+                    sequence.log_probs.append(log_probs)
+                if any(ends_with(sequence.tokens, word) for word in request.stop_words):
+                    reason = FINISH_STOP
+                elif len(sequence.tokens) >= request.max_new_tokens:
+                    reason = FINISH_LENGTH
+            if reason is not None:
+                self._finish(sequence, reason)
+            elif request.streaming:
+                start, sequence.sent = sequence.sent, len(sequence.tokens)
+                sequence.emit(Emission(sequence.tokens[start:], log_probs=self._log_probs(sequence, start)))
+
+    def _finish(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
+        """The request's final emission (under the lock); the step loop frees its place."""
+        sequence.done = True
+        self._sequences.pop(sequence.request_id, None)
+        if self._guides is not None and sequence.request.guide is not None:
+            self._guides.release(sequence.request_id)
+        start = sequence.sent if sequence.request.streaming else 0
+        sequence.sent = len(sequence.tokens)
+        ttft = tpot = None
+        if sequence.first_token is not None:
+            ttft = sequence.first_token - sequence.submitted
+            steps = len(sequence.tokens) + (reason == FINISH_EOS) - 1
+            if steps > 0 and sequence.last_token is not None:
+                tpot = (sequence.last_token - sequence.first_token) / steps
+        sequence.emit(
+            Emission(
+                sequence.tokens[start:],
+                reason,
+                error,
+                log_probs=self._log_probs(sequence, start),
+                time_to_first_token=ttft,
+                time_per_output_token=tpot,
+            )
+        )
+
+    @staticmethod
+    def _log_probs(sequence: _Sequence, start: int) -> list[TokenLogProbs] | None:
+        return sequence.log_probs[start:] if sequence.request.log_probs >= 0 else None
+
+    def _fail_all(self, error: str) -> None:
+        with self._lock:
+            for sequence in list(self._sequences.values()):
+                self._finish(sequence, FINISH_ERROR, error)
+
+
+def _route_llama_log(llama) -> None:
+    """llama.cpp's warnings and errors into this module's log; its information lines (every tensor it loads) away."""
+    level = [0]
+
+    @llama.llama_log_callback
+    def forward(kind: int, text: bytes, user_data) -> None:
+        if kind != _LOG_CONT:
+            level[0] = kind
+        if level[0] in (_LOG_WARN, _LOG_ERROR):
+            with contextlib.suppress(Exception):
+                log.warning("llama.cpp: %s", text.decode(errors="replace").rstrip())
+
+    _route_llama_log.callback = forward  # kept alive: llama.cpp holds the pointer
+    llama.llama_log_set(forward, ctypes.c_void_p(0))
