@@ -20,7 +20,8 @@ COPY client client
 COPY model_repository model_repository
 COPY build_engines.py ./
 
-# Portable flavor: the Hugging Face model on PyTorch, in the plain Triton image with its Python backend.
+# Portable flavor: the Hugging Face model on PyTorch, in the plain Triton image with its Python backend. The image
+# does not compile llama-cpp-python, so its engine is transformers' (--engine-impl auto picks it there).
 FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-py3 AS portable
 WORKDIR /opt/tritonllm
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1

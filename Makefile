@@ -64,10 +64,10 @@ trtllm-image: $(VENV)/.installed
 		--build-arg TRITON_TAG=$$($(PY) -m tritonllm.versions TRITON_TAG) .
 
 test: build
-	$(PY) -m pytest -q
+	TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q
 
 unit: build
-	$(PY) -m pytest -q tests/unit
+	TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q tests/unit
 
 # Performance: perf_analyzer (from the tritonclient wheel) needs Debian's libb64 and CUDA's runtime library;
 # genai-perf and the plot's packages are pinned by constraints-perf.txt. PERF_ARGS / BENCH_ARGS go to the

@@ -296,7 +296,7 @@ def measure(running: Running, contender: Contender, args, prompts: list[str], ro
     for entry, (method, openai) in running.entries.items():
         asyncio.run(_level(running, method, openai, args, prompts, 2, 2))  # warm-up: first requests' one-time costs
         for concurrency in (1, args.concurrency):
-            requests = concurrency * args.rounds_per_level
+            requests = max(8, concurrency * args.rounds_per_level)
             records = asyncio.run(_level(running, method, openai, args, prompts, concurrency, requests))
             row = Row(contender.server, entry, contender.precision, concurrency, round_)
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,9 @@ import pytest
 from tritonllm.launch.tritonserver import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD = ROOT / "build"
+# The build the tests run against: `make test` passes its BUILD_DIR, so that `make test BUILD_DIR=build/transformers
+# BUILD_ARGS="--engine-impl transformers"` runs every test against the other CPU engine.
+BUILD = (ROOT / os.environ.get("TRITONLLM_BUILD_DIR", "build")).resolve()
 
 
 def _manifest() -> dict:
