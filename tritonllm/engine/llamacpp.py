@@ -153,6 +153,8 @@ class LlamaCppEngine(BlockingGenerate):
         input, for controls out of range or a guide that does not compile."""
         check_controls(request, self.vocab_size)
         check_request(request)
+        if not self._loop_thread.is_alive():
+            raise EngineFailure("the engine's step loop has stopped (see the server log)")
         request_id = f"l{next(self._ids)}"
         reserved = min(len(request.input_ids) + request.max_new_tokens, self.config.max_seq_len)
         if reserved > self.cache_tokens:
