@@ -404,7 +404,7 @@ def plot(rows: list[Row], path: Path, concurrency: int) -> bool:
     except ImportError:
         return False
     keys = list(dict.fromkeys((r.server, r.entry, r.precision) for r in rows))
-    labels = [f"{s}\n{e}\n{p}" for s, e, p in keys]
+    labels = [f"{s} {e.split()[0]}\n{p.split()[0]}" for s, e, p in keys]
     figure, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(keys)), 5))
     for axis, level in zip(axes, (1, concurrency), strict=True):
         values = [
@@ -413,7 +413,7 @@ def plot(rows: list[Row], path: Path, concurrency: int) -> bool:
             for k in keys
         ]
         axis.bar(range(len(keys)), values, color=["tab:blue" if k[0] == "ours" else "tab:gray" for k in keys])
-        axis.set_xticks(range(len(keys)), labels, fontsize=7)
+        axis.set_xticks(range(len(keys)), labels, fontsize=8, rotation=30, ha="right")
         axis.set_title(f"output tokens/s at concurrency {level} (median of rounds)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
