@@ -71,7 +71,7 @@ unit: build
 
 # Performance: perf_analyzer (from the tritonclient wheel) needs Debian's libb64 and CUDA's runtime library;
 # genai-perf and the plot's packages are pinned by constraints-perf.txt. PERF_ARGS / BENCH_ARGS go to the
-# commands, e.g. make perf PERF_ARGS="--levels 1,4 --max-tokens 16" (a short sweep, what CI runs).
+# commands, e.g. make perf PERF_ARGS="--levels 1 --max-tokens 16" (a short sweep, what CI runs).
 PERF_ARGS ?=
 BENCH_ARGS ?=
 $(VENV)/.perf: $(VENV)/.installed requirements-perf.txt constraints.txt constraints-perf.txt
