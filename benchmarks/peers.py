@@ -196,13 +196,8 @@ def start_ours(build: Path, log_dir: Path) -> Running:
     began = time.perf_counter()
     server = TritonServer.on_free_ports(build, log_file=log_dir / f"{build.name}-server.log")
     server.start(timeout=600)
-    openai = OpenAIFrontend(
-        f"{server.host}:{server.grpc_port}",
-        manifest["tokenizer_dir"],
-        manifest["max_input_len"],
-        manifest["max_seq_len"],
-        free_port(),
-        log_file=log_dir / f"{build.name}-openai.log",
+    openai = OpenAIFrontend.for_build(
+        f"{server.host}:{server.grpc_port}", manifest, free_port(), log_file=log_dir / f"{build.name}-openai.log"
     )
     try:
         openai.start()

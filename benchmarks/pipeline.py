@@ -506,13 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     server = TritonServer.on_free_ports(build, log_file=args.out / "server.log")
     openai = None
     if "openai_chat" in targets:
-        openai = OpenAIFrontend(
-            f"{server.host}:{server.grpc_port}",
-            manifest["tokenizer_dir"],
-            manifest["max_input_len"],
-            manifest["max_seq_len"],
-            free_port(),
-            log_file=args.out / "openai.log",
+        openai = OpenAIFrontend.for_build(
+            f"{server.host}:{server.grpc_port}", manifest, free_port(), log_file=args.out / "openai.log"
         )
     started = time.perf_counter()
     server.start(timeout=600)

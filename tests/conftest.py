@@ -84,14 +84,8 @@ def openai_frontend(server, manifest, tmp_path_factory):
 
     def start(api_key: str | None = None) -> str:
         log = tmp_path_factory.mktemp("openai") / "frontend.log"
-        frontend = OpenAIFrontend(
-            f"{server.host}:{server.grpc_port}",
-            manifest["tokenizer_dir"],
-            manifest["max_input_len"],
-            manifest["max_seq_len"],
-            port=free_port(),
-            api_key=api_key,
-            log_file=log,
+        frontend = OpenAIFrontend.for_build(
+            f"{server.host}:{server.grpc_port}", manifest, free_port(), api_key=api_key, log_file=log
         )
         frontend.start()
         started.append(frontend)

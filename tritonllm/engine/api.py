@@ -268,6 +268,10 @@ class BlockingGenerate:
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         raise NotImplementedError
 
+    def captured_graphs(self) -> int:
+        """CUDA graphs the engine holds (the engine model's gauge); none but the transformers engine's on CUDA."""
+        return 0
+
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> tuple[list[int], str]:
         """Blocking helper: the generated tokens and finish reason of one non-streaming request."""
         done = threading.Event()

@@ -121,9 +121,6 @@ class SyntheticEngine(BlockingGenerate):
     def alive(self) -> bool:
         return self._loop_thread.is_alive()
 
-    def captured_graphs(self) -> int:
-        return 0
-
     def shutdown(self) -> None:
         self._stopping.set()
         self._work.set()

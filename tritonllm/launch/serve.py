@@ -103,15 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     frontend = None
     if args.openai_port:
         manifest = json.loads((repository.parent / "manifest.json").read_text())
-        frontend = OpenAIFrontend(
+        frontend = OpenAIFrontend.for_build(
             f"{args.host}:{args.grpc_port}",
-            manifest["tokenizer_dir"],
-            manifest["max_input_len"],
-            manifest["max_seq_len"],
+            manifest,
             args.openai_port,
-            args.host,
-            args.api_key,
-            args.model_name,
+            host=args.host,
+            api_key=args.api_key,
+            model_name=args.model_name,
         )
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)

@@ -366,6 +366,13 @@ class OpenAIFrontend:
 
     process: subprocess.Popen | None = None
 
+    @classmethod
+    def for_build(cls, grpc_url: str, manifest: dict, port: int, **options) -> OpenAIFrontend:
+        """The layer for a build's model (its tokenizer and limits, from manifest.json) in front of `grpc_url`."""
+        return cls(
+            grpc_url, manifest["tokenizer_dir"], manifest["max_input_len"], manifest["max_seq_len"], port, **options
+        )
+
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
