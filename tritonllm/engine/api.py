@@ -92,6 +92,18 @@ class GenerationRequest:
     log_probs: int = -1
     guide: Guide | None = None
 
+    @property
+    def uses_controls(self) -> bool:
+        """Whether its tokens are anything but the argmax of the model's logits."""
+        return bool(
+            self.sampling.sample
+            or not self.penalties.neutral
+            or self.embedding_bias
+            or self.log_probs >= 0
+            or self.guide is not None
+            or self.bad_words
+        )
+
 
 @dataclass(frozen=True)
 class TokenLogProbs:

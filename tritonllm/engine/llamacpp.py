@@ -168,10 +168,10 @@ class LlamaCppEngine(BlockingGenerate):
         return request_id
 
     def _controls(self, request: GenerationRequest, request_id: str):
-        from tritonllm.engine.row_controls import RowControls, uses_controls  # torch: for the first one only
-
-        if not uses_controls(request):
+        if not request.uses_controls:
             return None
+        from tritonllm.engine.row_controls import RowControls  # torch: loaded at the first request with a control
+
         follower = None
         if request.guide is not None:
             if self._guides is None:

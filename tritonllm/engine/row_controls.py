@@ -25,18 +25,6 @@ from tritonllm.protocol import MAX_TOP_LOG_PROBS
 torch.set_num_threads(1)
 
 
-def uses_controls(request: GenerationRequest) -> bool:
-    """Whether the request's tokens are anything but the argmax of the model's logits."""
-    return bool(
-        request.sampling.sample
-        or not request.penalties.neutral
-        or request.embedding_bias
-        or request.log_probs >= 0
-        or request.guide is not None
-        or request.bad_words
-    )
-
-
 class RowControls:
     """A request's control state: its dense bias row, its token counts, its sampling parameters, its grammar."""
 
