@@ -45,15 +45,20 @@ def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
+def model_path(model: str | None) -> Path:
+    """The path `model` names: the packaged default's GGUF file when none."""
+    return default_model_file() if not model else Path(model).expanduser()
+
+
 def gguf_source(model: str | None) -> Path | None:
     """The GGUF file `model` names (the packaged default is one), or None."""
-    source = default_model_file() if not model else Path(model).expanduser()
+    source = model_path(model)
     return source.resolve() if source.suffix == ".gguf" and source.is_file() else None
 
 
 def resolve_model(model: str | None, build_dir: Path) -> Path:
     """Return a Hugging Face folder for `model`, converting a GGUF file into `build_dir/models/` if needed."""
-    source = default_model_file() if not model else Path(model).expanduser()
+    source = model_path(model)
     if is_hf_folder(source):
         if not any(source.glob("tokenizer*")):
             raise ModelSourceError(f"MODEL={source}: the folder has no tokenizer files (tokenizer.json ...).")

@@ -46,12 +46,19 @@ class RowControls:
                 .unsqueeze(0)
             )
         penalties = request.penalties
-        self.counts = self.prompt = None
+        self.counts = self.prompt = self.repetition = self.presence = self.frequency = None
         if penalties.repetition != 1.0 or penalties.presence or penalties.frequency:
             self.counts = torch.zeros(1, vocab_size)
         if penalties.repetition != 1.0:
+            self.repetition = torch.tensor([[penalties.repetition]])
             self.prompt = torch.zeros(1, vocab_size, dtype=torch.bool)
             self.prompt[0, torch.tensor(request.input_ids, dtype=torch.long).clamp(0, vocab_size - 1)] = True
+        if penalties.presence or penalties.frequency:
+            self.presence, self.frequency = torch.tensor([[penalties.presence]]), torch.tensor([[penalties.frequency]])
+        sampling = request.sampling  # the draw's parameters; its seed changes with the position
+        self.temperature = torch.tensor([max(sampling.temperature, MIN_TEMPERATURE)])
+        self.top_k = torch.tensor([min(sampling.top_k, 2**31 - 1)])
+        self.top_p = torch.tensor([sampling.top_p])
         self.mask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32) if follower is not None else None
         self._longest_word = max((len(w) for w in request.bad_words), default=0)
 
@@ -64,18 +71,8 @@ class RowControls:
         if self.bias is not None:
             scores = scores + self.bias
         if self.counts is not None:
-            penalties = request.penalties
             repeated = (self.counts > 0) | self.prompt if self.prompt is not None else None
-            repetition = torch.tensor([[penalties.repetition]]) if self.prompt is not None else None
-            additive = penalties.presence or penalties.frequency
-            scores = penalise(
-                scores,
-                self.counts,
-                repeated,
-                repetition,
-                torch.tensor([[penalties.presence]]) if additive else None,
-                torch.tensor([[penalties.frequency]]) if additive else None,
-            )
+            scores = penalise(scores, self.counts, repeated, self.repetition, self.presence, self.frequency)
         banned = self._banned(generated)
         if banned:
             scores = scores.index_fill(1, torch.tensor(banned, dtype=torch.long), float("-inf"))
@@ -85,16 +82,9 @@ class RowControls:
             self.follower.fill(self.mask, 0)
             scores = scores.clone() if scores.data_ptr() == row.ctypes.data else scores
             xgrammar.apply_token_bitmask_inplace(scores, self.mask)
-        sampling = request.sampling
-        if sampling.sample:
-            position = len(request.input_ids) + len(generated)
-            scores = sample(
-                scores,
-                torch.tensor([max(sampling.temperature, MIN_TEMPERATURE)]),
-                torch.tensor([min(sampling.top_k, 2**31 - 1)]),
-                torch.tensor([sampling.top_p]),
-                torch.tensor([step_seed(sampling.seed, position)]),
-            )
+        if request.sampling.sample:
+            seed = torch.tensor([step_seed(request.sampling.seed, len(request.input_ids) + len(generated))])
+            scores = sample(scores, self.temperature, self.top_k, self.top_p, seed)
         token = int(scores.argmax(dim=-1))
         self._accept(token)
         chosen = None
