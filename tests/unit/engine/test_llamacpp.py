@@ -51,6 +51,20 @@ def engine(manifest, gguf):
     eng.shutdown()
 
 
+def test_greedy_bias_chooses_as_the_controls_path(engine, tokenizer):
+    """A greedy request whose only control is a bias takes a numpy path; asking for log probabilities too sends the
+    same request through RowControls: the tokens agree, and the banned tokens (the plain answer's first ones,
+    each listed twice so the two halves add up) never come."""
+    ids = chat_ids(tokenizer, PROMPTS[0])
+    plain, _ = engine.generate(GenerationRequest(ids, 12), timeout=120)
+    bias = tuple((token, -60.0) for token in plain[:3]) * 2
+    fast, _ = engine.generate(GenerationRequest(ids, 12, embedding_bias=bias), timeout=120)
+    controlled, _ = engine.generate(GenerationRequest(ids, 12, embedding_bias=bias, log_probs=0), timeout=120)
+    assert fast == controlled
+    assert not set(plain[:3]) & set(fast)
+    assert fast != plain
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_equals_llama_cpp_itself(engine, gguf, tokenizer, prompt):
     ids = chat_ids(tokenizer, prompt)
