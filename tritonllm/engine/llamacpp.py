@@ -122,7 +122,7 @@ class LlamaCppEngine(BlockingGenerate):
 
         self.config = config
         self._llama = llama
-        _route_llama_log(llama)
+        route_llama_log(llama)
         llama.llama_backend_init()
         model_params = llama.llama_model_default_params()
         model_params.n_gpu_layers = 0
@@ -355,7 +355,7 @@ class LlamaCppEngine(BlockingGenerate):
                 self._finish(sequence, FINISH_ERROR, error)
 
 
-def _route_llama_log(llama) -> None:
+def route_llama_log(llama) -> None:
     """llama.cpp's warnings and errors into this module's log; its information lines (every tensor it loads) away."""
     level = [0]
 
@@ -367,5 +367,5 @@ def _route_llama_log(llama) -> None:
             with contextlib.suppress(Exception):
                 log.warning("llama.cpp: %s", text.decode(errors="replace").rstrip())
 
-    _route_llama_log.callback = forward  # kept alive: llama.cpp holds the pointer
+    route_llama_log.callback = forward  # kept alive: llama.cpp holds the pointer
     llama.llama_log_set(forward, ctypes.c_void_p(0))
