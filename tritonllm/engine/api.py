@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
 from tritonllm.errors import ConfigError
-from tritonllm.options import option
+from tritonllm.options import flag_of, option
 from tritonllm.protocol import MAX_WORD_SEQUENCES
 
 AUTO_DEVICES = ("auto", "cpu", "cuda")
@@ -194,10 +194,14 @@ class EngineConfig:
         cuda_only=True,
     )
     fused_norms: bool = option(
-        True, "run the model's RMSNorm layers as torch's one-kernel rms_norm where they compute the same (checked)"
+        True,
+        "run the model's RMSNorm layers as torch's one-kernel rms_norm where they compute the same (checked)",
+        transformers_only=True,
     )
     fused_projections: bool = option(
-        True, "run each layer's q/k/v projections as one matrix product, and its MLP's gate/up ones as another"
+        True,
+        "run each layer's q/k/v projections as one matrix product, and its MLP's gate/up ones as another",
+        transformers_only=True,
     )
     cpu_niceness: int = option(
         YIELDING_NICENESS,
@@ -215,6 +219,7 @@ class EngineConfig:
         "attention kernel: varlen (CUDA, 16-bit types: FlashAttention over each request's own tokens) or sdpa "
         "(a mask across the whole batch); auto: varlen where it runs",
         choices=("auto", "sdpa", "varlen"),
+        transformers_only=True,
     )
 
     def resolve(self) -> EngineConfig:
@@ -249,6 +254,13 @@ class EngineConfig:
             )
         if impl == LLAMACPP and self.engine_process:
             raise ConfigError("--engine-process is for --engine-impl transformers: llama.cpp steps without the GIL")
+        if impl == LLAMACPP:  # given, they would be silently ignored: llama.cpp runs kernels of its own
+            for field in dataclasses.fields(self):
+                if field.metadata.get("transformers_only") and getattr(self, field.name) != field.default:
+                    raise ConfigError(
+                        f"{flag_of(field)}: the transformers engine's option; this build runs llama.cpp "
+                        "(--engine-impl transformers to use it)"
+                    )
         if self.dtype == GGUF_AS_IS and impl != LLAMACPP:
             raise ConfigError(
                 f"--dtype {GGUF_AS_IS} is for the llama.cpp engine (--engine-impl llamacpp, a GGUF model)"
@@ -266,11 +278,12 @@ class EngineConfig:
         }
         if not cuda:
             decided.update({f.name: False for f in dataclasses.fields(self) if f.metadata.get("cuda_only")})
-        reason = unavailable_reason(device, dtype)
-        if self.attention == "auto":
-            decided["attention"] = "sdpa" if reason else VARLEN
-        elif self.attention == VARLEN and reason:
-            raise ConfigError(f"--attention {VARLEN}: {reason}")
+        if impl != LLAMACPP:  # llama.cpp's attention is its own: the option stays at its default
+            reason = unavailable_reason(device, dtype)
+            if self.attention == "auto":
+                decided["attention"] = "sdpa" if reason else VARLEN
+            elif self.attention == VARLEN and reason:
+                raise ConfigError(f"--attention {VARLEN}: {reason}")
         return dataclasses.replace(self, **decided)
 
 

@@ -125,6 +125,19 @@ def test_dtype_gguf_is_for_the_llama_cpp_engine_only(manifest):
         config.resolve()
 
 
+@pytest.mark.parametrize(
+    ("option", "flag"),
+    [({"attention": "sdpa"}, "--attention"), ({"fused_norms": False}, "--fused-norms"),
+     ({"fused_projections": False}, "--fused-projections")],
+)  # fmt: skip
+def test_transformers_options_are_refused_not_ignored(manifest, option, flag):
+    gguf = str(default_model_file())
+    with pytest.raises(ConfigError, match=f"{flag}: the transformers engine's option"):
+        EngineConfig(manifest["model_dir"], impl=LLAMACPP, gguf_file=gguf, device="cpu", **option).resolve()
+    resolved = EngineConfig(manifest["model_dir"], impl=LLAMACPP, gguf_file=gguf, device="cpu").resolve()
+    assert resolved == resolved.resolve(), "a written llama.cpp configuration resolves to itself"
+
+
 def test_llamacpp_needs_a_gguf_model(manifest):
     with pytest.raises(ConfigError, match="needs a GGUF model"):
         EngineConfig(manifest["model_dir"], impl=LLAMACPP, device="cpu").resolve()
