@@ -20,6 +20,7 @@ Every request asks for exactly `max_tokens` tokens (`end_id` -1), so all targets
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -240,20 +241,21 @@ class Targets:
             return Record(start, time.perf_counter(), None, 0, str(exc))
         return Record(start, time.perf_counter(), None, int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
 
-    def _http_session(self):
+    @contextlib.asynccontextmanager
+    async def _post(self, url: str, body: dict):
+        """A JSON POST on the targets' aiohttp session (made at the first one); its response, once it is a 200."""
         import aiohttp
 
         if self._session is None:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.connections))
-        return self._session
+        async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=600)) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
+            yield response
 
     async def _events(self, url: str, body: dict):
         """The JSON payloads of a server-sent-event response, as they arrive."""
-        import aiohttp
-
-        async with self._http_session().post(url, json=body, timeout=aiohttp.ClientTimeout(total=600)) as response:
-            if response.status != 200:
-                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
+        async with self._post(url, body) as response:
             async for line in response.content:
                 if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
                     yield json.loads(line[5:])
@@ -323,13 +325,7 @@ class Targets:
 
     async def completion_text(self, i: int) -> str:
         """The whole text of `openai_completion`'s request i, asked without streaming."""
-        import aiohttp
-
-        url = f"{self.openai[0]}/v1/completions"
-        body = self._completion_body(i, stream=False)
-        async with self._http_session().post(url, json=body, timeout=aiohttp.ClientTimeout(total=600)) as response:
-            if response.status != 200:
-                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
+        async with self._post(f"{self.openai[0]}/v1/completions", self._completion_body(i, stream=False)) as response:
             return (await response.json())["choices"][0]["text"]
 
     async def openai_completion(self, i: int) -> Record:

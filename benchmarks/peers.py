@@ -505,7 +505,7 @@ def contenders(args) -> tuple[list[Contender], dict[str, str]]:
     ggufs = {
         p: Path(json.loads((b / "manifest.json").read_text())["engine_config"]["gguf_file"]) for p, b in builds.items()
     }
-    args.ggufs = ggufs
+    args.end_tokens = end_tokens(ggufs[F32])  # the requests' bans (see the module's docstring)
     model_dir = json.loads((builds[F32] / "manifest.json").read_text())["model_dir"]
     cache_tokens = 16384
     for precision, build in builds.items():
@@ -557,7 +557,6 @@ def main(argv: list[str] | None = None) -> int:
     args.peers = [p for p in args.peers.split(",") if p]
     prompts = load_prompts()
     found, problems = contenders(args)
-    args.end_tokens = end_tokens(args.ggufs[F32])
     rows: list[Row] = []
     texts: dict[tuple[str, str], list[str]] = {}  # (server, precision) -> greedy answers
     for round_ in range(1, args.rounds + 1):
