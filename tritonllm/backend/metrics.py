@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
+from tritonllm.engine.api import Emission
 from tritonllm.protocol import FINISH_REASONS
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
@@ -46,6 +47,11 @@ class EngineMetrics:
         self.output_tokens = make(
             "tritonllm_output_tokens_total", "Tokens generated for finished requests", family.COUNTER
         ).Metric(labels=labels)
+        self.cached_tokens = make(
+            "tritonllm_prefix_cache_tokens_total",
+            "Prompt tokens of finished requests taken from the prefix cache (computed for an earlier request)",
+            family.COUNTER,
+        ).Metric(labels=labels)
         finished = make("tritonllm_requests_finished_total", "Finished requests, by finish reason", family.COUNTER)
         self.finished = {r: finished.Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
         errors = make("tritonllm_request_errors_total", "Refused or failed requests, by kind", family.COUNTER)
@@ -57,14 +63,15 @@ class EngineMetrics:
             "tritonllm_time_per_output_token_seconds", "Mean time per generated token after the first", family.HISTOGRAM
         ).Metric(labels=labels, buckets=TPOT_BUCKETS)
 
-    def finish(self, reason: str, input_tokens: int, output_tokens: int, ttft: float | None, tpot: float | None):
+    def finish(self, reason: str, input_tokens: int, output_tokens: int, emission: Emission) -> None:
         self.finished.get(reason, self.finished["error"]).increment(1)
         self.input_tokens.increment(input_tokens)
+        self.cached_tokens.increment(emission.cached_tokens)
         self.output_tokens.increment(output_tokens)
-        if ttft is not None:
-            self.ttft.observe(ttft)
-        if tpot is not None:
-            self.tpot.observe(tpot)
+        if emission.time_to_first_token is not None:
+            self.ttft.observe(emission.time_to_first_token)
+        if emission.time_per_output_token is not None:
+            self.tpot.observe(emission.time_per_output_token)
 
     def load(self, in_flight: int, in_batch: int, graphs: int) -> None:
         self.graphs.set(graphs)

@@ -130,6 +130,7 @@ class Emission:
     # seconds per token after it (None when unknown: no or one token).
     time_to_first_token: float | None = None
     time_per_output_token: float | None = None
+    cached_tokens: int = 0  # on final emissions: prompt tokens whose KV cache came from an earlier request
 
     @property
     def final(self) -> bool:
@@ -196,12 +197,12 @@ class EngineConfig:
     fused_norms: bool = option(
         True,
         "run the model's RMSNorm layers as torch's one-kernel rms_norm where they compute the same (checked)",
-        transformers_only=True,
+        engine_only=TRANSFORMERS,
     )
     fused_projections: bool = option(
         True,
         "run each layer's q/k/v projections as one matrix product, and its MLP's gate/up ones as another",
-        transformers_only=True,
+        engine_only=TRANSFORMERS,
     )
     cpu_niceness: int = option(
         YIELDING_NICENESS,
@@ -214,12 +215,18 @@ class EngineConfig:
         "run the engine in a process of its own beside the engine model's (default: on CUDA), so that sending a "
         "response per token per stream does not take the generation loop's interpreter lock",
     )
+    prefix_cache: bool | None = option(
+        None,
+        "keep a finished request's KV cache and start a later prompt that begins with the same tokens (a system "
+        "prompt, an earlier turn of the chat) from it, computing only the rest (default: on)",
+        engine_only=LLAMACPP,
+    )
     attention: str = option(
         "auto",
         "attention kernel: varlen (CUDA, 16-bit types: FlashAttention over each request's own tokens) or sdpa "
         "(a mask across the whole batch); auto: varlen where it runs",
         choices=("auto", "sdpa", "varlen"),
-        transformers_only=True,
+        engine_only=TRANSFORMERS,
     )
 
     def resolve(self) -> EngineConfig:
@@ -254,13 +261,13 @@ class EngineConfig:
             )
         if impl == LLAMACPP and self.engine_process:
             raise ConfigError("--engine-process is for --engine-impl transformers: llama.cpp steps without the GIL")
-        if impl == LLAMACPP:  # given, they would be silently ignored: llama.cpp runs kernels of its own
-            for field in dataclasses.fields(self):
-                if field.metadata.get("transformers_only") and getattr(self, field.name) != field.default:
-                    raise ConfigError(
-                        f"{flag_of(field)}: the transformers engine's option; this build runs llama.cpp "
-                        "(--engine-impl transformers to use it)"
-                    )
+        for field in dataclasses.fields(self):  # given to another engine, they would be silently ignored
+            only = field.metadata.get("engine_only")
+            if only and only != impl and getattr(self, field.name) != field.default:
+                raise ConfigError(
+                    f"{flag_of(field)}: an option of --engine-impl {only}; this build runs {impl} "
+                    f"(--engine-impl {only} to use it)"
+                )
         if self.dtype == GGUF_AS_IS and impl != LLAMACPP:
             raise ConfigError(
                 f"--dtype {GGUF_AS_IS} is for the llama.cpp engine (--engine-impl llamacpp, a GGUF model)"
@@ -278,6 +285,8 @@ class EngineConfig:
         }
         if not cuda:
             decided.update({f.name: False for f in dataclasses.fields(self) if f.metadata.get("cuda_only")})
+        if impl == LLAMACPP:  # another engine's stays at its default (None), so that it resolves to itself
+            decided["prefix_cache"] = self.prefix_cache is not False
         if impl != LLAMACPP:  # llama.cpp's attention is its own: the option stays at its default
             reason = unavailable_reason(device, dtype)
             if self.attention == "auto":

@@ -4,10 +4,13 @@ One thread runs the steps, as llama.cpp's own server does: each step is one `lla
 the next token of every generating request and, in the tokens left of the step's budget, chunks of the prompts of
 requests that joined (in-flight batching, one sequence id per request in a KV cache all requests share). A request
 joins when a sequence id is free and the cache has room for its prompt and its new tokens, so no step fails for
-want of cache. llama.cpp computes the step's logits; the host picks each request's token: the argmax of its row (of
-its biased row, for a greedy request whose only control is a logit bias), or, for a request with other generation
-controls, its row processed alone (tritonllm/engine/row_controls.py). Streaming,
-stop words, end id, cancellation and finish reasons are the portable engine's (tritonllm/engine/portable.py).
+want of cache. A finished request's cells stay in the cache under its sequence id, as llama.cpp's server keeps a
+slot's (the prefix cache): a new prompt that begins with the same tokens gets the cells of the longest such prefix
+shared into its own sequence and computes only the rest; kept cells give way, oldest first, to a request that needs
+their room or their id. llama.cpp computes the step's logits; the host picks each request's token: the argmax of its
+row (of its biased row, for a greedy request whose only control is a logit bias), or, for a request with other
+generation controls, its row processed alone (tritonllm/engine/row_controls.py). Streaming, stop words, end id,
+cancellation and finish reasons are the portable engine's (tritonllm/engine/portable.py).
 
 `llama_decode` runs without the interpreter lock (ctypes releases it), so the engine model's sender thread sends
 responses while a step computes.
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tritonllm.engine.api import (
+    LLAMA_MAX_SEQUENCES,
     BlockingGenerate,
     Emission,
     EngineConfig,
@@ -58,6 +62,7 @@ class _Sequence:
     pending: list[int]  # tokens to feed: the prompt, then each generated token
     reserved: int  # KV cache cells held for it: its prompt and its new tokens
     position: int = 0  # tokens in the KV cache
+    cached: int = 0  # of them, those it started with: an earlier request's (the prefix cache)
     seq_id: int = -1  # llama.cpp's sequence id, once in the batch
     tokens: list[int] = field(default_factory=list)  # generated, end id excluded
     log_probs: list[TokenLogProbs] = field(default_factory=list)
@@ -133,7 +138,15 @@ class LlamaCppEngine(BlockingGenerate):
         params = llama.llama_context_default_params()
         params.n_ctx = config.kv_cache_tokens
         params.n_batch = params.n_ubatch = config.max_batch_tokens
-        params.n_seq_max = config.max_batch_size
+        # Kept cells are shared into a new sequence from position 0: not for a recurrent state or a sliding window.
+        self._keeps = bool(config.prefix_cache) and not (
+            llama.llama_model_is_recurrent(self._model)
+            or llama.llama_model_is_hybrid(self._model)
+            or llama.llama_model_n_swa(self._model)
+        )
+        # As many ids again for kept cells, so a full batch does not push them all out (an id costs a bit per cell).
+        sequences = min(2 * config.max_batch_size, LLAMA_MAX_SEQUENCES) if self._keeps else config.max_batch_size
+        params.n_seq_max = sequences
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = True  # one cache all sequences share, not n_ctx / n_seq_max each
         params.no_perf = True
@@ -147,15 +160,17 @@ class LlamaCppEngine(BlockingGenerate):
         description = ctypes.create_string_buffer(128)
         llama.llama_model_desc(self._model, description, len(description))
         self.description = f"{description.value.decode(errors='replace')}, {threads} threads"
-        self._batch = _Batch(llama, config.max_batch_tokens, config.max_batch_size)
+        self._batch = _Batch(llama, config.max_batch_tokens, sequences)
         self._guides = None  # tritonllm.engine.guided.Guides, at the first guided request
         self._lock = threading.RLock()  # emit callbacks run under it and may ask running() or cancel()
         self._ids = itertools.count()
         self._sequences: dict[str, _Sequence] = {}  # submitted and not finished
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []  # in the batch, in the order they joined (the loop's alone)
-        self._free_ids = list(range(config.max_batch_size - 1, -1, -1))
+        self._free_ids = list(range(sequences - 1, -1, -1))
         self._reserved = 0
+        self._kept: dict[int, np.ndarray] = {}  # the prefix cache: sequence id -> its tokens' ids, oldest first
+        self._kept_cells = 0
         self._work = threading.Event()
         self._stopping = threading.Event()
         self._loop_thread = threading.Thread(target=self._loop, name="llamacpp-engine", daemon=True)
@@ -245,21 +260,71 @@ class LlamaCppEngine(BlockingGenerate):
         """Frees the places of finished requests, then lets waiting ones join while ids and cache room last."""
         for sequence in [s for s in self._running if s.done]:
             self._running.remove(sequence)
-            self._llama.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
-            self._free_ids.append(sequence.seq_id)
             self._reserved -= sequence.reserved
+            cells = (sequence.request.input_ids + sequence.tokens)[: sequence.position]
+            if self._keeps and cells:
+                self._kept[sequence.seq_id] = np.array(cells, np.int32)
+                self._kept_cells += len(cells)
+            else:
+                self._llama.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
+                self._free_ids.append(sequence.seq_id)
         with self._lock:
-            while self._waiting and self._free_ids:
+            while self._waiting and len(self._running) < self.config.max_batch_size:
                 head = self._waiting[0]
                 if head.done:
                     self._waiting.popleft()
                     continue
-                if self._reserved + head.reserved > self.cache_tokens:
+                if not self._place(head):
                     break  # in order: a long request is not overtaken for ever by short ones
                 self._waiting.popleft()
-                head.seq_id = self._free_ids.pop()
-                self._reserved += head.reserved
                 self._running.append(head)
+
+    def _place(self, head: _Sequence) -> bool:
+        """Gives `head` a sequence id and its cache room, and the kept cells that share the longest prefix with its
+        prompt (shared, not copied: llama.cpp's cells carry a set of sequence ids). Drops other kept cells, oldest
+        first, for want of room or of an id; when they are not enough, `head` takes that prefix's sequence over."""
+        source, reused = self._longest_prefix(head.pending)
+        for victim in [k for k in self._kept if k != source]:
+            if self._free_ids and self._fits(head):
+                break
+            self._forget(victim)
+        if self._free_ids and self._fits(head):
+            head.seq_id = self._free_ids.pop()
+            if source is not None:
+                self._llama.llama_memory_seq_cp(self._memory, source, head.seq_id, 0, reused)
+                self._kept[source] = self._kept.pop(source)  # the most recently used now
+        elif source is not None and self._fits(head, self._kept[source]):
+            self._kept_cells -= len(self._kept.pop(source))
+            self._llama.llama_memory_seq_rm(self._memory, source, reused, -1)
+            head.seq_id = source
+        else:
+            return False
+        head.position = head.cached = reused
+        del head.pending[:reused]
+        self._reserved += head.reserved
+        return True
+
+    def _fits(self, head: _Sequence, taken_over: np.ndarray | None = None) -> bool:
+        kept = self._kept_cells - (len(taken_over) if taken_over is not None else 0)
+        return self._reserved + head.reserved + kept <= self.cache_tokens
+
+    def _longest_prefix(self, prompt: list[int]) -> tuple[int | None, int]:
+        """The kept sequence that begins with the most of `prompt`'s tokens, and how many it can give: all but the
+        prompt's last, which is computed for its logits. (None, 0) when none begins with its first token."""
+        best, length = None, 0
+        tokens = np.array(prompt[:-1], np.int32)
+        for seq_id, cells in self._kept.items():
+            n = min(len(cells), len(tokens))
+            differ = np.flatnonzero(cells[:n] != tokens[:n])
+            common = int(differ[0]) if differ.size else n
+            if common > length:
+                best, length = seq_id, common
+        return best, length
+
+    def _forget(self, seq_id: int) -> None:
+        self._llama.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+        self._kept_cells -= len(self._kept.pop(seq_id))
+        self._free_ids.append(seq_id)
 
     def _step(self) -> None:
         batch, budget = self._batch, self.config.max_batch_tokens
@@ -342,6 +407,7 @@ class LlamaCppEngine(BlockingGenerate):
                 log_probs=self._log_probs(sequence, start),
                 time_to_first_token=ttft,
                 time_per_output_token=tpot,
+                cached_tokens=sequence.cached,
             )
         )
 

@@ -119,6 +119,65 @@ def test_requests_wait_for_cache_room_and_all_finish(manifest, tokenizer):
     assert 1 <= peak[0] <= 256 // need < 8
 
 
+def final_emission(engine, request: GenerationRequest):
+    done, emissions = threading.Event(), []
+    engine.submit(request, lambda e: (emissions.append(e), e.final and done.set()))
+    assert done.wait(120)
+    return emissions[-1]
+
+
+def test_prefix_cache_starts_a_prompt_from_an_earlier_ones_cache(manifest, tokenizer):
+    """A repeated prompt, a new question after the same system prompt and the next turn of a chat start from the
+    kept cache (all of the prompt but its last token, the system prompt, the whole earlier turn) and answer what an
+    engine without the cache answers."""
+    system = {"role": "system", "content": "You are a terse assistant who answers in one short sentence."}
+
+    def chat(*turns: str) -> list[int]:
+        messages = [system] + [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+    def answers(prefix_cache: bool, prompts: list[list[int]]) -> list:
+        eng = make_engine(
+            manifest, LLAMACPP, max_batch_size=2, max_seq_len=512, kv_cache_tokens=2048, prefix_cache=prefix_cache
+        )
+        try:
+            return [final_emission(eng, GenerationRequest(ids, 16)) for ids in prompts]
+        finally:
+            eng.shutdown()
+
+    first = chat(PROMPTS[0])
+    (reply,) = answers(False, [first])
+    prompts = [first, first, chat(PROMPTS[1]), chat(PROMPTS[0], tokenizer.decode(reply.token_ids), PROMPTS[1])]
+    plain, cached = answers(False, prompts), answers(True, prompts)
+    assert [e.token_ids for e in cached] == [e.token_ids for e in plain]
+    assert all(e.cached_tokens == 0 for e in plain)
+    shared = next(i for i, (a, b) in enumerate(zip(first, prompts[2], strict=False)) if a != b)
+    assert [e.cached_tokens for e in cached[:3]] == [0, len(first) - 1, shared]
+    assert cached[3].cached_tokens > len(first), "the earlier turn's prompt and answer came from the cache"
+
+
+def test_prefix_cache_gives_its_room_to_new_requests(manifest, tokenizer):
+    """Kept cells fill a small cache; requests that need the room get it (oldest kept first) and none waits for ever,
+    one at a time and eight at once."""
+    eng = make_engine(manifest, LLAMACPP, max_batch_size=4, max_seq_len=128, kv_cache_tokens=256)
+    try:
+        prompts = [chat_ids(tokenizer, f"Count from {n} to {n + 5}.") for n in range(8)]
+        for ids in prompts:
+            assert final_emission(eng, GenerationRequest(ids, 40)).finish_reason == FINISH_LENGTH
+        results = []
+        threads = [
+            threading.Thread(target=lambda ids=ids: results.append(eng.generate(GenerationRequest(ids, 40), 120)))
+            for ids in prompts
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        eng.shutdown()
+    assert [reason for _, reason in results] == [FINISH_LENGTH] * 8
+
+
 def test_dtype_gguf_is_for_the_llama_cpp_engine_only(manifest):
     config = EngineConfig(manifest["model_dir"], impl=TRANSFORMERS, dtype=GGUF_AS_IS, device="cpu")
     with pytest.raises(ConfigError, match=r"--dtype gguf is for the llama\.cpp engine"):
@@ -126,16 +185,18 @@ def test_dtype_gguf_is_for_the_llama_cpp_engine_only(manifest):
 
 
 @pytest.mark.parametrize(
-    ("option", "flag"),
-    [({"attention": "sdpa"}, "--attention"), ({"fused_norms": False}, "--fused-norms"),
-     ({"fused_projections": False}, "--fused-projections")],
+    ("impl", "option", "flag"),
+    [(LLAMACPP, {"attention": "sdpa"}, "--attention"), (LLAMACPP, {"fused_norms": False}, "--fused-norms"),
+     (LLAMACPP, {"fused_projections": False}, "--fused-projections"),
+     (TRANSFORMERS, {"prefix_cache": True}, "--prefix-cache")],
 )  # fmt: skip
-def test_transformers_options_are_refused_not_ignored(manifest, option, flag):
+def test_another_engines_options_are_refused_not_ignored(manifest, impl, option, flag):
     gguf = str(default_model_file())
-    with pytest.raises(ConfigError, match=f"{flag}: the transformers engine's option"):
-        EngineConfig(manifest["model_dir"], impl=LLAMACPP, gguf_file=gguf, device="cpu", **option).resolve()
-    resolved = EngineConfig(manifest["model_dir"], impl=LLAMACPP, gguf_file=gguf, device="cpu").resolve()
-    assert resolved == resolved.resolve(), "a written llama.cpp configuration resolves to itself"
+    other = TRANSFORMERS if impl == LLAMACPP else LLAMACPP
+    with pytest.raises(ConfigError, match=f"{flag}: an option of --engine-impl {other}; this build runs {impl}"):
+        EngineConfig(manifest["model_dir"], impl=impl, gguf_file=gguf, device="cpu", **option).resolve()
+    resolved = EngineConfig(manifest["model_dir"], impl=impl, gguf_file=gguf, device="cpu").resolve()
+    assert resolved == resolved.resolve(), "a written configuration resolves to itself"
 
 
 def test_llamacpp_needs_a_gguf_model(manifest):
