@@ -13,10 +13,11 @@ streams; at concurrency 1 and --concurrency, closed loop. Every server generates
 means different things (llama-server bans the end-of-generation tokens; vLLM and ours generate them and go on, and
 such a token has no text, which delays the first text by one token), so each request also bans those tokens with a
 `logit_bias` of -100, and the report says how many greedy answers are the same text as llama-server's. The prompts
-repeat from request to request, and every server keeps the cache of earlier prompts and would skip computing most of a
-repeated one: the comparison runs with the prompt caches off (ours built with `--no-prefix-cache`, llama-server's
-`cache_prompt` false in each request, vLLM's `--no-enable-prefix-caching`), and ours and llama-server run once more
-with their caches on, as "ours, prefix cache" and "llama.cpp, prompt cache", to show what they are worth here.
+repeat from request to request, and llama-server and vLLM keep the cache of earlier prompts by default (ours with
+`--prefix-cache`) and would skip computing most of a repeated one: the comparison runs with the prompt caches off (ours
+built with `--no-prefix-cache`, llama-server's `cache_prompt` false in each request, vLLM's
+`--no-enable-prefix-caching`), and ours and llama-server run once more with their caches on, as "ours, prefix cache"
+and "llama.cpp, prompt cache", to show what they are worth here.
 Precisions: float32 (every server on the float32 weights the build writes from the packaged GGUF; vLLM on the same
 weights as a Hugging Face folder) and the packaged Q4_1 GGUF as it is (llama.cpp and ours only).
 

@@ -215,10 +215,11 @@ class EngineConfig:
         "run the engine in a process of its own beside the engine model's (default: on CUDA), so that sending a "
         "response per token per stream does not take the generation loop's interpreter lock",
     )
-    prefix_cache: bool | None = option(
-        None,
+    prefix_cache: bool = option(
+        False,
         "keep a finished request's KV cache and start a later prompt that begins with the same tokens (a system "
-        "prompt, an earlier turn of the chat) from it, computing only the rest (default: on)",
+        "prompt, an earlier turn of the chat) from it, computing only the rest; kept cells lie in the range every "
+        "step's attention scans in llama.cpp's shared cache, so they slow each step a little while they stay",
         engine_only=LLAMACPP,
     )
     attention: str = option(
@@ -285,8 +286,6 @@ class EngineConfig:
         }
         if not cuda:
             decided.update({f.name: False for f in dataclasses.fields(self) if f.metadata.get("cuda_only")})
-        if impl == LLAMACPP:  # another engine's stays at its default (None), so that it resolves to itself
-            decided["prefix_cache"] = self.prefix_cache is not False
         if impl != LLAMACPP:  # llama.cpp's attention is its own: the option stays at its default
             reason = unavailable_reason(device, dtype)
             if self.attention == "auto":

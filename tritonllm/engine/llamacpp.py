@@ -4,11 +4,11 @@ One thread runs the steps, as llama.cpp's own server does: each step is one `lla
 the next token of every generating request and, in the tokens left of the step's budget, chunks of the prompts of
 requests that joined (in-flight batching, one sequence id per request in a KV cache all requests share). A request
 joins when a sequence id is free and the cache has room for its prompt and its new tokens, so no step fails for
-want of cache. A finished request's cells stay in the cache under its sequence id, as llama.cpp's server keeps a
-slot's (the prefix cache): a new prompt that begins with the same tokens gets the cells of the longest such prefix
-shared into its own sequence and computes only the rest; kept cells give way, oldest first, to a request that needs
-their room or their id. llama.cpp computes the step's logits; the host picks each request's token: the argmax of its
-row (of its biased row, for a greedy request whose only control is a logit bias), or, for a request with other
+want of cache. With the prefix cache on, a finished request's cells stay in the cache under its sequence id, as
+llama.cpp's server keeps a slot's: a new prompt that begins with the same tokens gets the cells of the longest such
+prefix shared into its own sequence and computes only the rest; kept cells give way, oldest first, to a request that
+needs their room or their id. llama.cpp computes the step's logits; the host picks each request's token: the argmax
+of its row (of its biased row, for a greedy request whose only control is a logit bias), or, for a request with other
 generation controls, its row processed alone (tritonllm/engine/row_controls.py). Streaming, stop words, end id,
 cancellation and finish reasons are the portable engine's (tritonllm/engine/portable.py).
 

@@ -159,7 +159,7 @@ def test_prefix_cache_starts_a_prompt_from_an_earlier_ones_cache(manifest, token
 def test_prefix_cache_gives_its_room_to_new_requests(manifest, tokenizer):
     """Kept cells fill a small cache; requests that need the room get it (oldest kept first) and none waits for ever,
     one at a time and eight at once."""
-    eng = make_engine(manifest, LLAMACPP, max_batch_size=4, max_seq_len=128, kv_cache_tokens=256)
+    eng = make_engine(manifest, LLAMACPP, max_batch_size=4, max_seq_len=128, kv_cache_tokens=256, prefix_cache=True)
     try:
         prompts = [chat_ids(tokenizer, f"Count from {n} to {n + 5}.") for n in range(8)]
         for ids in prompts:
