@@ -144,6 +144,8 @@ class LlamaCppEngine(BlockingGenerate):
             or llama.llama_model_is_hybrid(self._model)
             or llama.llama_model_n_swa(self._model)
         )
+        if config.prefix_cache and not self._keeps:
+            log.warning("--prefix-cache is off for this model: its cache is recurrent or a sliding window")
         # As many ids again for kept cells, so a full batch does not push them all out (an id costs a bit per cell).
         sequences = min(2 * config.max_batch_size, LLAMA_MAX_SEQUENCES) if self._keeps else config.max_batch_size
         params.n_seq_max = sequences
@@ -281,32 +283,37 @@ class LlamaCppEngine(BlockingGenerate):
 
     def _place(self, head: _Sequence) -> bool:
         """Gives `head` a sequence id and its cache room, and the kept cells that share the longest prefix with its
-        prompt (shared, not copied: llama.cpp's cells carry a set of sequence ids). Drops other kept cells, oldest
-        first, for want of room or of an id; when they are not enough, `head` takes that prefix's sequence over."""
+        prompt (shared, not copied: llama.cpp's cells carry a set of sequence ids). When room or an id is short,
+        `head` takes that prefix's sequence over if that is enough, else other kept cells go, oldest first."""
+        room = self.cache_tokens - self._reserved - head.reserved  # what kept cells may hold once it runs
+        if room < 0:
+            return False  # running requests hold the room: it waits, and no kept cells go for nothing
         source, reused = self._longest_prefix(head.pending)
-        for victim in [k for k in self._kept if k != source]:
-            if self._free_ids and self._fits(head):
-                break
-            self._forget(victim)
-        if self._free_ids and self._fits(head):
+        prefix = self._kept[source] if source is not None else None
+
+        def shares() -> bool:
+            return bool(self._free_ids) and self._kept_cells <= room
+
+        if not shares() and not (prefix is not None and self._kept_cells - len(prefix) <= room):
+            for victim in [k for k in self._kept if k != source]:
+                self._forget(victim)
+                if shares():
+                    break
+        if shares():
             head.seq_id = self._free_ids.pop()
             if source is not None:
                 self._llama.llama_memory_seq_cp(self._memory, source, head.seq_id, 0, reused)
                 self._kept[source] = self._kept.pop(source)  # the most recently used now
-        elif source is not None and self._fits(head, self._kept[source]):
+        elif prefix is not None:  # room, or an id, only without the prefix's own sequence: `head` takes it over
             self._kept_cells -= len(self._kept.pop(source))
             self._llama.llama_memory_seq_rm(self._memory, source, reused, -1)
             head.seq_id = source
-        else:
+        else:  # not met: with no prefix, dropping every kept sequence frees ids (fewer run than there are ids)
             return False
         head.position = head.cached = reused
         del head.pending[:reused]
         self._reserved += head.reserved
         return True
-
-    def _fits(self, head: _Sequence, taken_over: np.ndarray | None = None) -> bool:
-        kept = self._kept_cells - (len(taken_over) if taken_over is not None else 0)
-        return self._reserved + head.reserved + kept <= self.cache_tokens
 
     def _longest_prefix(self, prompt: list[int]) -> tuple[int | None, int]:
         """The kept sequence that begins with the most of `prompt`'s tokens, and how many it can give: all but the

@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -176,6 +177,28 @@ def test_prefix_cache_gives_its_room_to_new_requests(manifest, tokenizer):
     finally:
         eng.shutdown()
     assert [reason for _, reason in results] == [FINISH_LENGTH] * 8
+
+
+def test_prefix_cache_keeps_its_cells_while_a_request_waits_for_room(manifest, tokenizer):
+    """A request that waits for a running one's room drops no kept cells for nothing: once the long request is
+    cancelled (few cells kept of it) the waiting one runs, and an earlier prompt still finds all its cells."""
+    eng = make_engine(manifest, LLAMACPP, max_batch_size=4, max_seq_len=512, kv_cache_tokens=512, prefix_cache=True)
+    try:
+        first, other = chat_ids(tokenizer, PROMPTS[0]), chat_ids(tokenizer, PROMPTS[1])
+        raw = tokenizer(PROMPTS[1])["input_ids"]  # shares no first token with the chat prompts
+        assert final_emission(eng, GenerationRequest(first, 8)).cached_tokens == 0
+        started, done, waiting = threading.Event(), threading.Event(), []
+        long = eng.submit(GenerationRequest(other, 440 - len(other), streaming=True), lambda e: started.set())
+        assert started.wait(60)
+        eng.submit(GenerationRequest(raw, 100), lambda e: (waiting.append(e), e.final and done.set()))
+        time.sleep(0.5)  # 440 cells held and ~110 asked of 512: it waits
+        assert not waiting
+        eng.cancel(long)
+        assert done.wait(60) and waiting[-1].finish_reason == FINISH_LENGTH
+        again = final_emission(eng, GenerationRequest(first, 8))
+    finally:
+        eng.shutdown()
+    assert again.cached_tokens == len(first) - 1
 
 
 def test_dtype_gguf_is_for_the_llama_cpp_engine_only(manifest):
