@@ -44,7 +44,7 @@ from tritonllm.engine.api import (
 )
 from tritonllm.engine.checks import check_controls
 from tritonllm.engine.cpu_threads import start_yielding
-from tritonllm.errors import EngineFailure
+from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,13 @@ class LlamaCppEngine(BlockingGenerate):
         if not self._loop_thread.is_alive():
             raise EngineFailure("the engine's step loop has stopped (see the server log)")
         request_id = f"l{next(self._ids)}"
-        reserved = min(len(request.input_ids) + request.max_new_tokens, self.config.max_seq_len)
+        reserved = len(request.input_ids) + request.max_new_tokens  # what the admission counts: never more
+        if reserved > self.config.max_seq_len:
+            raise InputError(
+                "request_output_len",
+                f"{len(request.input_ids)} input tokens and {request.max_new_tokens} new ones are more than the "
+                f"maximum sequence length of {self.config.max_seq_len}",
+            )
         if reserved > self.cache_tokens:
             raise EngineFailure(f"a request of {reserved} tokens does not fit the KV cache of {self.cache_tokens}")
         controls = self._controls(request, request_id)

@@ -12,7 +12,7 @@ from tests.unit.engine.conftest import chat_ids
 from tests.unit.engine.test_cpu_engines import make_engine
 from tritonllm.build.model_source import default_model_file, retype_gguf
 from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, TRANSFORMERS, EngineConfig, GenerationRequest
-from tritonllm.errors import ConfigError
+from tritonllm.errors import ConfigError, InputError
 from tritonllm.protocol import FINISH_LENGTH
 
 CACHE_TOKENS = 4096
@@ -199,6 +199,12 @@ def test_prefix_cache_keeps_its_cells_while_a_request_waits_for_room(manifest, t
     finally:
         eng.shutdown()
     assert again.cached_tokens == len(first) - 1
+
+
+def test_a_request_longer_than_the_sequence_limit_is_refused(engine):
+    """The admission reserves a request's prompt and new tokens: more than --max-seq-len is refused, not cut."""
+    with pytest.raises(InputError, match="request_output_len: 10 input tokens and 1015 new ones"):
+        engine.submit(GenerationRequest([1] * 10, 1015), lambda e: None)
 
 
 def test_dtype_gguf_is_for_the_llama_cpp_engine_only(manifest):
