@@ -423,9 +423,9 @@ def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems:
     lines += ["", "Ours against llama-server at the same precision, caches alike (medians over rounds):", ""]
     for (mine, theirs), precision in itertools.product(PAIRS, dict.fromkeys(r.precision for r in rows)):
         peer = [r for r in rows if r.server == theirs and r.precision == precision]
+        if not peer:
+            continue
         for entry in dict.fromkeys(r.entry for r in rows if r.server == mine and r.precision == precision):
-            if not peer:
-                break
             ours = [r for r in rows if r.server == mine and r.entry == entry and r.precision == precision]
             parts = []
             for concurrency in (1, top):

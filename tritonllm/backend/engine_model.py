@@ -216,7 +216,7 @@ class EngineModel:
             _, emission, input_tokens, output_tokens = record
             if emission.error:
                 self.metrics.errors["generation_failed"].increment(1)
-            self.metrics.finish(emission.finish_reason, input_tokens, output_tokens, emission)
+            self.metrics.finish(emission, input_tokens, output_tokens)
         self.metrics.load(self.engine.running(), self.engine.in_batch(), self.engine.captured_graphs())
 
     def _send(self, call: _Call, emission: Emission) -> None:

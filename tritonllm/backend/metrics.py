@@ -63,8 +63,8 @@ class EngineMetrics:
             "tritonllm_time_per_output_token_seconds", "Mean time per generated token after the first", family.HISTOGRAM
         ).Metric(labels=labels, buckets=TPOT_BUCKETS)
 
-    def finish(self, reason: str, input_tokens: int, output_tokens: int, emission: Emission) -> None:
-        self.finished.get(reason, self.finished["error"]).increment(1)
+    def finish(self, emission: Emission, input_tokens: int, output_tokens: int) -> None:
+        self.finished.get(emission.finish_reason, self.finished["error"]).increment(1)
         self.input_tokens.increment(input_tokens)
         self.cached_tokens.increment(emission.cached_tokens)
         self.output_tokens.increment(output_tokens)

@@ -269,8 +269,8 @@ class LlamaCppEngine(BlockingGenerate):
         for sequence in [s for s in self._running if s.done]:
             self._running.remove(sequence)
             self._reserved -= sequence.reserved
-            cells = (sequence.request.input_ids + sequence.tokens)[: sequence.position]
-            if self._keeps and cells:
+            if self._keeps and sequence.position:
+                cells = (sequence.request.input_ids + sequence.tokens)[: sequence.position]
                 self._kept[sequence.seq_id] = np.array(cells, np.int32)
                 self._kept_cells += len(cells)
             else:
@@ -325,6 +325,8 @@ class LlamaCppEngine(BlockingGenerate):
         """The kept sequence that begins with the most of `prompt`'s tokens, and how many it can give: all but the
         prompt's last, which is computed for its logits. (None, 0) when none begins with its first token."""
         best, length = None, 0
+        if not self._kept:  # the cache is off, or empty: no array of the prompt for nothing
+            return best, length
         tokens = np.array(prompt[:-1], np.int32)
         for seq_id, cells in self._kept.items():
             n = min(len(cells), len(tokens))
