@@ -40,6 +40,10 @@ MAX_TOP_LOG_PROBS = 20  # most likely tokens returned per position (OpenAI's top
 # TensorRT-LLM's guided decoding types (its `guided_decoding_guide_type` values), which both engines take.
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 
+# TensorRT-LLM's per-request KV cache counts, returned with return_perf_metrics (the portable engine's blocks are
+# one token each); the reused blocks are the prompt's part that an earlier request's cache served.
+KV_CACHE_OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
+
 Tensors = list[tuple[str, np.ndarray, str]]  # (name, value, Triton datatype)
 
 
@@ -63,6 +67,7 @@ SCALAR_INPUTS: dict[str, tuple[type, str]] = {
     "exclude_input_in_output": (bool, "BOOL"),
     "return_num_input_tokens": (bool, "BOOL"),
     "return_num_output_tokens": (bool, "BOOL"),
+    "return_perf_metrics": (bool, "BOOL"),
     "stream": (bool, "BOOL"),
     "guided_decoding_guide_type": (object, "BYTES"),
     "guided_decoding_guide": (object, "BYTES"),

@@ -62,6 +62,17 @@ def test_chat_equals_the_ensemble(api, model, tokenizer, server):
     assert answer.choices[0].finish_reason == "stop"  # the model ended the sentence
 
 
+def test_usage_says_how_much_of_a_repeated_prompt_the_prefix_cache_served(api, model, manifest):
+    prompt = "A prompt told twice: the second time its tokens' cache is there already."
+    api.completions.create(model=model, prompt=prompt, max_tokens=2)
+    again = api.completions.create(model=model, prompt=prompt, max_tokens=2)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    if manifest["engine_config"].get("prefix_cache"):  # all but the last token, which is computed for its logits
+        assert cached == again.usage.prompt_tokens - 1
+    else:
+        assert cached == 0
+
+
 def test_chat_stream_equals_non_stream(api, model):
     whole = chat(api, model, content="Write two sentences about the sea.", max_tokens=20)
     text, chunks = stream_chat(

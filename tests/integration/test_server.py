@@ -21,7 +21,7 @@ import tritonclient.http as httpclient
 from client import GenerationError, generate, infer_inputs, request_tensors
 from tests.conftest import ROOT
 from tritonllm.launch.tritonserver import metric_samples, metric_value
-from tritonllm.protocol import MAX_WORDS
+from tritonllm.protocol import KV_CACHE_OUTPUTS, MAX_WORDS
 from tritonllm.text.detokenization import REPLACEMENT, Detokenizer
 
 pytestmark = pytest.mark.integration
@@ -301,7 +301,7 @@ def test_metrics_add_up_after_traffic(server, url, manifest):
     answers = []
     with httpclient.InferenceServerClient(url) as triton:
         for n in lengths:
-            tensors = request_tensors("Count to ten.", n, return_num_input_tokens=True)
+            tensors = request_tensors("Count to ten.", n, return_num_input_tokens=True, return_perf_metrics=True)
             inputs = [_tensor(name, value, dt) for name, value, dt in tensors]
             inputs.append(_tensor("end_id", np.array([[-1]], np.int32), "INT32"))
             answers.append(triton.infer("ensemble", inputs))
@@ -336,6 +336,14 @@ def test_metrics_add_up_after_traffic(server, url, manifest):
         assert (len(lengths) - 1) * (prompt - 1) <= delta["tritonllm_prefix_cache_tokens_total"] < len(lengths) * prompt
     else:
         assert delta["tritonllm_prefix_cache_tokens_total"] == 0
+    # Each request's own count (TensorRT-LLM's perf metrics, blocks of one token) adds up to the counter's.
+    blocks = [{name: int(a.as_numpy(name)[0, 0]) for name in KV_CACHE_OUTPUTS} for a in answers]
+    assert sum(b["kv_cache_reused_blocks"] for b in blocks) == delta["tritonllm_prefix_cache_tokens_total"]
+    assert [b["kv_cache_alloc_total_blocks"] for b in blocks] == [prompt + n - 1 for n in lengths]
+    assert all(
+        b["kv_cache_alloc_new_blocks"] + b["kv_cache_reused_blocks"] == prompt + n - 1
+        for b, n in zip(blocks, lengths, strict=True)
+    )
     assert delta["tritonllm_time_to_first_token_seconds_count"] == len(lengths)
     assert delta["tritonllm_time_per_output_token_seconds_count"] == len(lengths)
     errors = {

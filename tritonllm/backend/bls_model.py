@@ -46,7 +46,7 @@ from tritonllm.backend.triton_glue import (
     to_tensors,
 )
 from tritonllm.errors import InputError
-from tritonllm.protocol import stop_request_tensors
+from tritonllm.protocol import KV_CACHE_OUTPUTS, stop_request_tensors
 from tritonllm.text.detokenization import Detokenizer, finish_reason
 from tritonllm.text.stream import TextStream
 from tritonllm.text.tokenization import as_text, scalar
@@ -105,9 +105,11 @@ class _Delta:
 
 @dataclass
 class _Whole(_Delta):
-    """A request's whole answer (its deltas when not streaming), and the sum of its log probs."""
+    """A request's whole answer (its deltas when not streaming), the sum of its log probs, and the KV cache
+    counts of the engine's final response when the request asked for them."""
 
     cum_log_prob: float = 0.0
+    kv_cache: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _output(response, name: str) -> np.ndarray:
@@ -228,6 +230,7 @@ class StreamingModel:
                 final["num_output_tokens"] = np.array([[stream.num_tokens]], dtype=np.int32)
             if state.log_probs >= 0:
                 final["cum_log_probs"] = np.array([[whole.cum_log_prob]], dtype=np.float32)
+            final.update(whole.kv_cache)
             response = pb_utils.InferenceResponse(to_tensors(final, state.wanted))
         except _Cancelled:
             response = pb_utils.InferenceResponse(
@@ -259,6 +262,9 @@ class StreamingModel:
             outputs.append("output_log_probs")
         if state.log_probs > 0:
             outputs += ["top_log_probs", "top_log_prob_ids"]
+        perf = bool(scalar(tensors, "return_perf_metrics", 0))
+        if perf:
+            outputs += list(KV_CACHE_OUTPUTS)
         request = pb_utils.InferenceRequest(
             model_name=self.engine_model, inputs=inputs, requested_output_names=outputs, request_id=request_id
         )
@@ -267,6 +273,11 @@ class StreamingModel:
         state.engine_id = request_id  # before the call: it returns with the engine's first response only
         for response in exec_decoupled(request, state.iterators):
             state.answered = True
+            if perf:  # on the engine's final response, which a stopped request still waits for
+                for name in KV_CACHE_OUTPUTS:
+                    tensor = pb_utils.get_output_tensor_by_name(response, name)
+                    if tensor is not None:
+                        whole.kv_cache[name] = tensor.as_numpy().reshape(1, 1)
             if stopping:
                 if response.has_error():
                     break  # an error ends the request: nothing more will come

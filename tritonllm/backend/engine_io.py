@@ -16,7 +16,7 @@ import numpy as np
 
 from tritonllm.engine.api import GenerationRequest, Guide, Penalties, SamplingParams, TokenLogProbs
 from tritonllm.errors import InputError
-from tritonllm.protocol import MAX_TOP_LOG_PROBS, MAX_WORD_SEQUENCES
+from tritonllm.protocol import KV_CACHE_OUTPUTS, MAX_TOP_LOG_PROBS, MAX_WORD_SEQUENCES
 from tritonllm.text.tokenization import Limits, check_sampling, parse_guide, parse_word_list, scalar
 
 
@@ -201,3 +201,16 @@ def pack_outputs(
     if top:
         outputs["top_log_probs"], outputs["top_log_prob_ids"] = top_values, top_ids
     return outputs
+
+
+def kv_cache_outputs(input_tokens: list[int], generated: list[int], cached: list[int]) -> dict[str, np.ndarray]:
+    """TensorRT-LLM's per-request KV cache counts (KV_CACHE_OUTPUTS: new, reused, total), one row per request.
+
+    The portable engine's blocks are one token each: a request holds its prompt's cells and one per generated
+    token but the last (never fed back); `cached` of them were an earlier request's (the prefix cache)."""
+    total = [prompt + max(made - 1, 0) for prompt, made in zip(input_tokens, generated, strict=True)]
+    new = [t - c for t, c in zip(total, cached, strict=True)]
+    return {
+        name: np.asarray(values, dtype=np.int32).reshape(-1, 1)
+        for name, values in zip(KV_CACHE_OUTPUTS, (new, cached, total), strict=True)
+    }

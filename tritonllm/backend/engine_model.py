@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.backend.engine_io import exclude_input, pack_outputs, parse_requests
+from tritonllm.backend.engine_io import exclude_input, kv_cache_outputs, pack_outputs, parse_requests
 from tritonllm.backend.metrics import EngineMetrics
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.triton_glue import (
@@ -62,12 +62,14 @@ class _Call:
     exclude_input: bool
     pad_id: int
     counts: tuple[bool, bool]  # return_num_input_tokens, return_num_output_tokens
+    perf: bool  # return_perf_metrics: the KV cache block counts (kv_cache_outputs)
     wanted: set[str] | None  # the outputs the request asked for (triton_glue.requested_outputs)
     engine_ids: list[str] = field(default_factory=list)
     tokens: dict[int, list[int]] = field(default_factory=dict)  # finished rows
     log_probs: dict[int, list] = field(default_factory=dict)  # finished rows' TokenLogProbs, when asked
     cum_log_prob: float = 0.0  # a stream's, so far
     generated: dict[int, int] = field(default_factory=dict)  # tokens generated per row, for the metrics
+    cached: dict[int, int] = field(default_factory=dict)  # finished rows' prompt tokens taken from the prefix cache
     closed: bool = False
 
 
@@ -142,6 +144,7 @@ class EngineModel:
                     exclude_input(arrays, self.exclude_input),
                     pad_id,
                     counts,
+                    bool(scalar(arrays, "return_perf_metrics", 0)),
                     requested_outputs(request),
                 )
             except Exception as exc:
@@ -194,6 +197,7 @@ class EngineModel:
         request = call.requests[row]
         call.generated[row] = call.generated.get(row, 0) + len(emission.token_ids)
         if emission.final:
+            call.cached[row] = emission.cached_tokens
             self._finished.put(("finish", emission, len(request.input_ids), call.generated[row]))
         if emission.error or request.streaming:
             self._outbox.put(call, emission)
@@ -248,7 +252,7 @@ class EngineModel:
         if "cum_log_probs" in outputs:  # TensorRT-LLM's is the sum so far
             call.cum_log_prob += float(outputs["cum_log_probs"].sum())
             outputs["cum_log_probs"][:] = call.cum_log_prob
-        if not emission.token_ids and not (emission.final and any(call.counts)):
+        if not emission.token_ids and not (emission.final and (any(call.counts) or call.perf)):
             return None
         return outputs
 
@@ -262,6 +266,15 @@ class EngineModel:
         if final and call.counts[1]:
             outputs["num_output_tokens"] = np.array(
                 [[call.generated.get(r, 0)] for r in range(len(call.requests))], dtype=np.int32
+            )
+        if final and call.perf:
+            rows = range(len(call.requests))
+            outputs.update(
+                kv_cache_outputs(
+                    [len(r.input_ids) for r in call.requests],
+                    [call.generated.get(r, 0) for r in rows],
+                    [call.cached.get(r, 0) for r in rows],
+                )
             )
         return outputs
 

@@ -55,6 +55,7 @@ class BuildPlan:
     vocab_size: int
     max_queue_size: int = 0  # requests that may wait for a batch slot (0: as many as max_batch_size)
     max_beam_width: int = 1  # the portable engine generates one beam; a TensorRT-LLM engine's is built in
+    kv_cache_block_tokens: int = 1  # kv_cache_reused_blocks' unit: one token in the portable engine
     engine_values: dict[str, str] = field(default_factory=dict)  # the flavor's own template values
     engine_config: EngineConfig | None = None  # the portable engine's, written beside it as engine.json
     details: dict = field(default_factory=dict)  # what else the manifest records (the TensorRT-LLM engine's)
@@ -227,6 +228,7 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
         vocab_size=info.vocab_size,
         max_queue_size=getattr(args, "max_queue_size", 0),
         max_beam_width=info.max_beam_width,
+        kv_cache_block_tokens=info.tokens_per_block,
         engine_values={
             "engine_dir": str(engine_dir),
             "kv_cache_free_gpu_mem_fraction": str(args.kv_cache_free_gpu_mem_fraction),

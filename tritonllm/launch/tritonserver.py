@@ -363,12 +363,14 @@ class OpenAIFrontend:
     api_key: str | None = None
     model_name: str | None = None
     log_file: Path | None = None
+    kv_cache_block_tokens: int = 1
 
     process: subprocess.Popen | None = None
 
     @classmethod
     def for_build(cls, grpc_url: str, manifest: dict, port: int, **options) -> OpenAIFrontend:
         """The layer for a build's model (its tokenizer and limits, from manifest.json) in front of `grpc_url`."""
+        options.setdefault("kv_cache_block_tokens", manifest.get("kv_cache_block_tokens", 1))
         return cls(
             grpc_url, manifest["tokenizer_dir"], manifest["max_input_len"], manifest["max_seq_len"], port, **options
         )
@@ -396,6 +398,8 @@ class OpenAIFrontend:
             str(self.max_input_len),
             "--max-seq-len",
             str(self.max_seq_len),
+            "--kv-cache-block-tokens",
+            str(self.kv_cache_block_tokens),
             "--host",
             self.host,
             "--port",

@@ -114,7 +114,7 @@ class Generator:
                 if error is not None:
                     finished = True  # an error ends the request
                     raise triton_error(error)
-                generation = response(result, index)
+                generation = response(result, index, self.settings.kv_cache_block_tokens)
                 if generation.finish_reason is not None:
                     finished = True
                     yield generation
@@ -177,9 +177,10 @@ class Generator:
                 task.cancel()
 
 
-def response(result, index: int) -> Generation:
+def response(result, index: int, block_tokens: int = 1) -> Generation:
     """One streamed response of tensorrt_llm_bls as a delta of choice `index`; the last one (with a
-    finish_reason) also says why it ended and how many tokens went in and out. Shapes are read
+    finish_reason) also says why it ended, how many tokens went in and out, and how many of the prompt's
+    came from the prefix cache (reused KV cache blocks of `block_tokens`). Shapes are read
     defensively: only the element counts are relied on."""
     generation = Generation(index, scalar(result, "text_output", b"").decode())
     ids = result.as_numpy("output_ids")
@@ -197,6 +198,8 @@ def response(result, index: int) -> Generation:
         generation.finish_reason = FINISH_REASONS.get(reason.decode(), "stop")
         generation.prompt_tokens = int(scalar(result, "num_input_tokens", 0))
         generation.completion_tokens = int(scalar(result, "num_output_tokens", 0))
+        reused = int(scalar(result, "kv_cache_reused_blocks", 0)) * block_tokens
+        generation.cached_tokens = min(reused, generation.prompt_tokens)
     return generation
 
 

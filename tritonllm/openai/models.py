@@ -239,6 +239,7 @@ class SamplingRequest(Body):
             "guided_decoding_guide": guide[1] if guide and guide[1] else None,
             "return_num_input_tokens": True,
             "return_num_output_tokens": True,
+            "return_perf_metrics": True,  # kv_cache_reused_blocks: usage.prompt_tokens_details.cached_tokens
             "stream": True,
         }
 
@@ -448,6 +449,7 @@ class Settings:
     max_seq_len: int
     api_key: str | None = None
     triton_model: str = STREAMING_MODEL
+    kv_cache_block_tokens: int = 1  # the unit of the engine's kv_cache_reused_blocks
 
 
 @dataclass
@@ -460,6 +462,7 @@ class Generation:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those whose KV cache an earlier request left (the prefix cache)
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, most likely first
@@ -472,3 +475,4 @@ class Generation:
         self.top += later.top
         self.finish_reason = later.finish_reason
         self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
+        self.cached_tokens = later.cached_tokens

@@ -40,9 +40,15 @@ def check_model(generator: Generator, name: str) -> None:
 
 
 def usage(generations: list[Generation], n: int) -> dict:
-    prompt = sum(g.prompt_tokens for g in generations if g.index % n == 0)  # each prompt once, not per choice
+    firsts = [g for g in generations if g.index % n == 0]  # each prompt once, not per choice
+    prompt = sum(g.prompt_tokens for g in firsts)
     completion = sum(g.completion_tokens for g in generations)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in firsts)},
+    }
 
 
 def sse(events: AsyncIterator[dict]) -> StreamingResponse:

@@ -41,6 +41,7 @@ class EngineInfo:
     vocab_size: int
     quant_algo: str | None
     kv_cache_quant_algo: str | None
+    tokens_per_block: int = 32  # tokens per KV cache block: PluginConfig's default
 
     @property
     def world_size(self) -> int:
@@ -84,6 +85,7 @@ def read_engine(engine_dir: Path) -> EngineInfo:
             vocab_size=int(pretrained["vocab_size"]),
             quant_algo=quant.get("quant_algo"),
             kv_cache_quant_algo=quant.get("kv_cache_quant_algo"),
+            tokens_per_block=int(build.get("plugin_config", {}).get("tokens_per_block") or 32),
         )
     except KeyError as exc:
         raise EngineError(f"{config_path} lacks {exc.args[0]!r}; {REBUILD}") from None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from tests.unit.backend import fake_pb_utils
 from tritonllm.errors import EngineFailure, ErrorKind, InputError, ServerBusy
+from tritonllm.protocol import KV_CACHE_OUTPUTS
 
 
 @pytest.fixture
@@ -129,3 +133,53 @@ def test_a_streamed_delta_carries_only_the_outputs_the_client_asked_for(bls, pb_
     [(response, flags)] = state.sender.sent
     assert [t.name() for t in response.output_tensors()] == ["text_output"] and flags == 0
     assert response.output_tensors()[0].as_numpy().tolist() == ["café".encode()]
+
+
+def test_a_stopped_request_still_gets_the_kv_cache_counts_of_the_engines_last_response(bls, pb_utils):
+    """A stop string ends the engine's request early; the counts asked for (return_perf_metrics) come with the
+    engine's final response, which the worker drains after stopping it."""
+    bls_model, model = bls
+    model.engine_step = SimpleNamespace(
+        input_map={"input_ids": "_INPUT_ID", "return_perf_metrics": "return_perf_metrics"}
+    )
+    model.outbox = SimpleNamespace(put=lambda state, item: None)
+    model._ids = itertools.count()
+
+    def tokens(*ids: int) -> list:
+        return [
+            pb_utils.Tensor("output_ids", np.array([[ids]], np.int32)),
+            pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32)),
+        ]
+
+    counts = [
+        pb_utils.Tensor(name, np.array([[n]], np.int32)) for name, n in zip(KV_CACHE_OUTPUTS, (2, 5, 7), strict=True)
+    ]
+    pb_utils.bls_handler = lambda request: (
+        [pb_utils.InferenceResponse()]
+        if request.input("stop") is not None
+        else [
+            pb_utils.InferenceResponse(tokens(5)),
+            pb_utils.InferenceResponse(tokens(6)),
+            pb_utils.InferenceResponse(counts),
+        ]
+    )
+
+    class StopsAtOnce:
+        stopped = False
+
+        def push(self, ids: list[int]) -> str:
+            self.stopped = True
+            return "x"
+
+    asked = {"_INPUT_ID": np.array([[1, 2]], np.int32), "return_perf_metrics": np.array([[True]])}
+    whole = model._run_engine(asked, StopsAtOnce(), bls_model._Request(pb_utils.ResponseSender()), streaming=True)
+    engine_request, stop = pb_utils.bls_requests
+    assert set(KV_CACHE_OUTPUTS) <= set(engine_request.requested_output_names) and stop.input("stop") is not None
+    assert {name: int(value.item()) for name, value in whole.kv_cache.items()} == dict(
+        zip(KV_CACHE_OUTPUTS, (2, 5, 7), strict=True)
+    )
+    pb_utils.bls_requests.clear()
+    unasked = model._run_engine(
+        {"_INPUT_ID": asked["_INPUT_ID"]}, StopsAtOnce(), bls_model._Request(pb_utils.ResponseSender()), streaming=True
+    )
+    assert not set(KV_CACHE_OUTPUTS) & set(pb_utils.bls_requests[0].requested_output_names) and unasked.kv_cache == {}

@@ -18,7 +18,7 @@ import pytest
 from tests.unit.backend import fake_pb_utils
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, GenerationRequest
 from tritonllm.errors import ErrorKind, InputError
-from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, KV_CACHE_OUTPUTS
 from tritonllm.text.tokenization import Limits
 
 
@@ -441,6 +441,44 @@ def test_a_response_carries_only_the_outputs_its_request_asked_for(model, pb_uti
     model.engine.emit("e1", Emission([6], FINISH_LENGTH))
     [(response, _)] = everything.sender.sent
     assert pb_utils.get_output_tensor_by_name(response, "num_output_tokens").as_numpy().tolist() == [[1]]
+
+
+def kv_cache(pb_utils, response) -> list:
+    """(new, reused, total) blocks per row, from TensorRT-LLM's return_perf_metrics outputs."""
+    columns = [pb_utils.get_output_tensor_by_name(response, name).as_numpy().reshape(-1) for name in KV_CACHE_OUTPUTS]
+    return [tuple(int(c[row]) for c in columns) for row in range(len(columns[0]))]
+
+
+PERF = {"return_perf_metrics": np.array([[True]])}
+
+
+def test_a_stream_asking_for_perf_metrics_gets_its_kv_cache_counts_in_the_final_response(model, pb_utils):
+    stream = request(pb_utils, [1, 2, 3, 4], **PERF, **STREAMING)
+    model.execute([stream])
+    model.engine.emit("e0", Emission([5]))
+    model.engine.emit("e0", Emission([6, 7], FINISH_LENGTH, cached_tokens=3))
+    first, (last, _) = stream.sender.sent[0][0], stream.sender.sent[-1]
+    assert pb_utils.get_output_tensor_by_name(first, "kv_cache_reused_blocks") is None, "only at the end"
+    # 4 prompt cells (3 of them an earlier request's) and one per generated token but the last: 4 + 2.
+    assert kv_cache(pb_utils, last) == [(3, 3, 6)]
+    ended = request(pb_utils, [1, 2], **PERF, **STREAMING)
+    model.execute([ended])
+    model.engine.emit("e1", Emission([], FINISH_EOS))
+    [(response, flags)] = ended.sender.sent
+    assert flags == FINAL and kv_cache(pb_utils, response) == [(2, 0, 2)], "a final response without tokens too"
+
+
+def test_a_batched_request_gets_each_rows_kv_cache_counts_and_none_unasked(model, pb_utils):
+    call = request(pb_utils, [1, 2], [3, 4], **PERF)
+    model.execute([call])
+    model.engine.emit("e0", Emission([5, 6, 7], FINISH_LENGTH, cached_tokens=1))
+    model.engine.emit("e1", Emission([8], FINISH_EOS))
+    [(response, _)] = call.sender.sent
+    assert kv_cache(pb_utils, response) == [(3, 1, 4), (2, 0, 2)]
+    plain = request(pb_utils, [1, 2])
+    model.execute([plain])
+    model.engine.emit("e2", Emission([5], FINISH_EOS, cached_tokens=1))
+    assert pb_utils.get_output_tensor_by_name(plain.sender.sent[0][0], "kv_cache_reused_blocks") is None
 
 
 # Errors: an engine error ends the request with a tagged INTERNAL error, once.

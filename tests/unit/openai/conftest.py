@@ -40,7 +40,9 @@ def token(word: str) -> int:
     return WORDS.index(word)
 
 
-def response(text: str = "", tokens=(), log_probs=(), top=None, finish_reason=None, counts=(5, 2)) -> dict:
+def response(
+    text: str = "", tokens=(), log_probs=(), top=None, finish_reason=None, counts=(5, 2), reused_blocks=0
+) -> dict:
     """One tensorrt_llm_bls response, shaped as the model returns them; `top` is [(id, log prob), ...] per token."""
     out = {"text_output": np.array([[text.encode()]], dtype=object)}
     if tokens:
@@ -53,6 +55,7 @@ def response(text: str = "", tokens=(), log_probs=(), top=None, finish_reason=No
         out["finish_reason"] = np.array([[finish_reason.encode()]], dtype=object)
         out["num_input_tokens"] = np.array([[counts[0]]], dtype=np.int32)
         out["num_output_tokens"] = np.array([[counts[1]]], dtype=np.int32)
+        out["kv_cache_reused_blocks"] = np.array([[reused_blocks]], dtype=np.int32)
     return out
 
 
@@ -116,9 +119,10 @@ def triton() -> FakeTriton:
     return FakeTriton()
 
 
-def make_layer(tokenizer_dir: str, triton: FakeTriton):
-    """call(lambda client: ...): runs a coroutine of an AsyncOpenAI client bound to the app, in-process."""
-    settings = Settings("unused:0", tokenizer_dir, MODEL, max_input_len=512, max_seq_len=1024)
+def make_layer(tokenizer_dir: str, triton: FakeTriton, **options):
+    """call(lambda client: ...): runs a coroutine of an AsyncOpenAI client bound to the app, in-process;
+    `options` are Settings fields."""
+    settings = Settings("unused:0", tokenizer_dir, MODEL, max_input_len=512, max_seq_len=1024, **options)
     generator = Generator(settings)
     generator._client = triton
     app = create_app(settings, generator)

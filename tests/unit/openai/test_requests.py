@@ -37,6 +37,7 @@ def test_defaults_send_only_what_usage_and_streaming_need():
         "chat": False,
         "return_num_input_tokens": True,
         "return_num_output_tokens": True,
+        "return_perf_metrics": True,
         "stream": True,
     }
     names = [name for name, _, _ in request_tensors("Hi", 4, **inputs)]
@@ -46,6 +47,7 @@ def test_defaults_send_only_what_usage_and_streaming_need():
         "apply_chat_template",
         "return_num_input_tokens",
         "return_num_output_tokens",
+        "return_perf_metrics",
         "stream",
     ]
 

@@ -161,6 +161,27 @@ def test_usage_asks_for_the_token_counts(layer, triton):
         assert request["return_num_input_tokens"][0, 0] and request["return_num_output_tokens"][0, 0]
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(tokenizer_dir, triton):
+    """usage.prompt_tokens_details.cached_tokens: the engine's reused KV cache blocks times the tokens in a
+    block, at most the prompt; streamed with include_usage too."""
+    layer = make_layer(tokenizer_dir, triton, kv_cache_block_tokens=2)
+    triton.script = lambda tensors: [response("Hi"), response(finish_reason="eos", counts=(5, 1), reused_blocks=2)]
+    answer = chat(layer)
+    assert answer.usage.prompt_tokens_details.cached_tokens == 4
+    assert all(request["return_perf_metrics"][0, 0] for request in triton.requests)
+
+    async def streamed(client):
+        chunks = await client.completions.create(
+            model=MODEL, prompt="Hi", stream=True, stream_options={"include_usage": True}
+        )
+        return [chunk async for chunk in chunks][-1].usage
+
+    triton.script = lambda tensors: [response(finish_reason="eos", counts=(5, 1), reused_blocks=9)]
+    assert layer(streamed).prompt_tokens_details.cached_tokens == 5, "never more than the prompt"
+    triton.script = lambda tensors: [response("Hi", finish_reason="eos")]
+    assert chat(layer).usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_every_control_reaches_triton(layer, triton):
     chat(
         layer,

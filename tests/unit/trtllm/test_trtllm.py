@@ -101,7 +101,7 @@ def test_engine_values_come_from_config_json(engine_dir):
         2048,
         4096,
     )
-    assert info.world_size == 1 and info.vocab_size == 49152
+    assert info.world_size == 1 and info.vocab_size == 49152 and info.tokens_per_block == 32
 
 
 @pytest.mark.parametrize(
@@ -226,6 +226,7 @@ def test_the_build_writes_the_tokenizer_info_where_the_config_points(engine_dir,
     assert set(info) == {"encoded_vocab", "tokenizer_str", "stop_token_ids"}
     manifest = json.loads((build_dir / "manifest.json").read_text())
     assert "files" not in manifest and "encoded_vocab" not in json.dumps(manifest)
+    assert manifest["kv_cache_block_tokens"] == 32  # the OpenAI layer's unit of kv_cache_reused_blocks
 
 
 def test_client_facing_io_is_identical_in_both_flavors(engine_dir, tokenizer_dir):
