@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
-from tritonllm.errors import ConfigError
+from tritonllm.errors import ConfigError, InputError
 from tritonllm.options import flag_of, option
 from tritonllm.protocol import MAX_WORD_SEQUENCES
 
@@ -329,6 +330,13 @@ def ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:
 
 
 def check_request(request: GenerationRequest) -> None:
-    """What an engine's `submit` refuses (ValueError) rather than queues."""
+    """What an engine's `submit` refuses (ValueError) rather than queues. The prompt is checked for its type
+    here, where an in-process caller's mistake (a tokenizer's whole output, say) would otherwise reach the step
+    loop and fail every request in it."""
+    ids = request.input_ids
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
+        raise InputError("input_ids", f"must be a non-empty list of token ids, got {type(ids).__name__}")
+    if not all(isinstance(token, numbers.Integral) for token in ids):
+        raise InputError("input_ids", "must be a list of integer token ids")
     if len(request.bad_words) > MAX_WORD_SEQUENCES:
         raise ValueError(f"{len(request.bad_words)} bad words, more than the limit of {MAX_WORD_SEQUENCES}")

@@ -207,6 +207,14 @@ def test_a_request_longer_than_the_sequence_limit_is_refused(engine):
         engine.submit(GenerationRequest([1] * 10, 1015), lambda e: None)
 
 
+@pytest.mark.parametrize("prompt", [{"input_ids": [1, 2], "attention_mask": [1, 1]}, "hello", [], [[1, 2]], [1.5]])
+def test_a_prompt_that_is_not_a_list_of_token_ids_is_refused_and_the_loop_goes_on(engine, prompt):
+    """A tokenizer's whole output passed in-process used to reach the step loop and stop it for every request."""
+    with pytest.raises(InputError, match="input_ids"):
+        engine.submit(GenerationRequest(prompt, 2), lambda e: None)
+    assert final_emission(engine, GenerationRequest([1, 2, 3], 2)).finish_reason == FINISH_LENGTH
+
+
 def test_dtype_gguf_is_for_the_llama_cpp_engine_only(manifest):
     config = EngineConfig(manifest["model_dir"], impl=TRANSFORMERS, dtype=GGUF_AS_IS, device="cpu")
     with pytest.raises(ConfigError, match=r"--dtype gguf is for the llama\.cpp engine"):
