@@ -277,7 +277,7 @@ class StreamingModel:
                 for name in KV_CACHE_OUTPUTS:
                     tensor = pb_utils.get_output_tensor_by_name(response, name)
                     if tensor is not None:
-                        whole.kv_cache[name] = tensor.as_numpy().reshape(1, 1)
+                        whole.kv_cache[name] = np.array(tensor.as_numpy(), dtype=np.int32).reshape(1, 1)  # a copy
             if stopping:
                 if response.has_error():
                     break  # an error ends the request: nothing more will come
