@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tritonllm.build.model_source import ModelSourceError, gguf_source, resolve_model, retype_gguf
-from tritonllm.build.repository import RepositoryError, write_repository
+from tritonllm.build.repository import RepositoryError, templates_digest, write_repository
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, GGUF_AS_IS, LLAMACPP, EngineConfig
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError
@@ -416,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "server_options": plan.server_options(),
         "model_source": args.model or "default",
         "models": models,
+        "templates": templates_digest(),
         "versions": versions(),
     }
     (build_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

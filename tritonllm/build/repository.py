@@ -10,6 +10,7 @@ models: `_shared/<name>.pbtxt` fills `${<name>}` wherever it appears, and
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import tempfile
@@ -124,6 +125,23 @@ def check_ensembles(configs: dict[str, mc.ModelConfig]) -> None:
             if produced[output.name] != output.data_type:
                 want, have = _dtype(output.data_type), _dtype(produced[output.name])
                 raise RepositoryError(f"{where}: output '{output.name}' is {want} but its step gives {have}")
+
+
+def templates_digest(templates: Path = TEMPLATES) -> str:
+    """A fingerprint of the model templates (configs and model.py shims) that repositories are rendered from; the
+    manifest records it, so a server started from a build that an update of the templates left behind is refused."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in templates.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(path.relative_to(templates).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def stale_build(manifest: dict, templates: Path = TEMPLATES) -> str | None:
+    """Why a build's repository does not fit this checkout (None: it does). Its configs, rendered from older
+    templates, would refuse inputs this code sends (a 500 on every OpenAI request, say)."""
+    if manifest.get("templates") == templates_digest(templates):
+        return None
+    return "its model repository was rendered from other model templates than this checkout's (they changed since)"
 
 
 def write_repository(

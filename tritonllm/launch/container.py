@@ -15,15 +15,18 @@ from importlib.metadata import version
 from pathlib import Path
 
 from tritonllm.build import builder
+from tritonllm.build.repository import stale_build
 from tritonllm.launch.tritonserver import CONTAINER_BINARY, probe_engine, server_command
 from tritonllm.protocol import PORTS
 from tritonllm.trtllm.engine_dir import check_version, read_engine
 
 
 def build_once(build_args: list[str], build_dir: Path) -> int:
-    """build_engines.py with these arguments, unless the build folder already holds their build."""
-    stamp = build_dir / "build-args.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) == build_args and (build_dir / "manifest.json").is_file():
+    """build_engines.py with these arguments, unless the build folder already holds their build, rendered from
+    this image's model templates."""
+    stamp, manifest = build_dir / "build-args.json", build_dir / "manifest.json"
+    built = stamp.is_file() and json.loads(stamp.read_text()) == build_args and manifest.is_file()
+    if built and not stale_build(json.loads(manifest.read_text())):
         print(f"{build_dir} already holds this build; nothing to do", flush=True)
         return 0
     code = builder.main(build_args)

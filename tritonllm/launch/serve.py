@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tritonllm.build.repository import stale_build
 from tritonllm.launch.tritonserver import (
     ADMIN_HEADER,
     OpenAIFrontend,
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     repository = args.repository.resolve()
+    manifest_path = repository.parent / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None  # none: a hand-made one
+    if manifest is not None and (why := stale_build(manifest)):
+        print(f"serve: {repository.parent}: {why}: run `make build` again", file=sys.stderr)
+        return 2
     if not args.admin_key and not is_loopback(args.host):
         args.admin_key = secrets.token_urlsafe(24)
         print(
@@ -102,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     frontend = None
     if args.openai_port:
-        manifest = json.loads((repository.parent / "manifest.json").read_text())
+        if manifest is None:
+            print(f"serve: {manifest_path} is missing: the OpenAI layer needs the build's (run `make build`)")
+            return 2
         frontend = OpenAIFrontend.for_build(
             f"{args.host}:{args.grpc_port}",
             manifest,

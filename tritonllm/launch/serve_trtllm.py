@@ -16,6 +16,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from tritonllm.build.repository import stale_build
 from tritonllm.launch import container
 from tritonllm.launch.tritonserver import add_address_options
 from tritonllm.trtllm import docker
@@ -34,6 +35,8 @@ def load_build(build_dir: Path) -> EngineInfo:
         raise EngineError(
             f"tokenizer folder {manifest['tokenizer_dir']} is missing or empty: run `make build ENGINE=trtllm`"
         )
+    if why := stale_build(manifest):
+        raise EngineError(f"{build_dir}: {why}: run `make build ENGINE=trtllm` again")
     return read_engine(Path(manifest["engine_dir"]))
 
 

@@ -18,7 +18,14 @@ from tritonllm.build.builder import (
     plan_portable,
     text_instances,
 )
-from tritonllm.build.repository import TEMPLATES, RepositoryError, render_configs, write_repository
+from tritonllm.build.repository import (
+    TEMPLATES,
+    RepositoryError,
+    render_configs,
+    stale_build,
+    templates_digest,
+    write_repository,
+)
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
 
 PLAN = BuildPlan(
@@ -325,3 +332,24 @@ def test_tokenizer_instances_follow_the_build_hosts_cores():
     assert [text_instances(cores) for cores in (1, 2, 8, 12, 16, 64)] == [2, 2, 2, 3, 4, 8]
     assert VALUES["preprocessing_instance_count"] == VALUES["postprocessing_instance_count"] == str(PLAN.text_instances)
     assert VALUES["bls_instance_count"] == str(PLAN.text_instances)
+
+
+def test_a_build_rendered_from_other_templates_is_stale(tmp_path):
+    templates = tmp_path / "templates"
+    shutil.copytree(TEMPLATES, templates, ignore=shutil.ignore_patterns("__pycache__"))
+    manifest = {"templates": templates_digest(templates)}
+    assert templates_digest(templates) == templates_digest(TEMPLATES) and stale_build(manifest, templates) is None
+    config = templates / "_shared" / "text_io.pbtxt"
+    config.write_text(config.read_text().replace("return_perf_metrics", "return_more_metrics"))
+    assert "other model templates" in stale_build(manifest, templates)
+    assert stale_build({}, TEMPLATES) is not None, "a build from before the manifest recorded them"
+
+
+def test_serve_refuses_a_stale_build_before_starting_anything(tmp_path, capsys):
+    from tritonllm.launch import serve
+
+    (tmp_path / "model_repository").mkdir()
+    (tmp_path / "manifest.json").write_text(json.dumps({"templates": "0" * 16}))
+    assert serve.main(["--repository", str(tmp_path / "model_repository")]) == 2
+    error = capsys.readouterr().err
+    assert "rendered from other model templates" in error and "run `make build` again" in error

@@ -20,7 +20,7 @@ from tritonllm import versions
 from tritonllm.backend.model_config import parse_config
 from tritonllm.build.builder import BuildError, plan_trtllm
 from tritonllm.build.builder import main as builder_main
-from tritonllm.build.repository import TEMPLATES, read_config, render_configs, write_repository
+from tritonllm.build.repository import TEMPLATES, read_config, render_configs, templates_digest, write_repository
 from tritonllm.launch import container, serve_trtllm
 from tritonllm.launch.serve_trtllm import load_build
 from tritonllm.launch.tritonserver import (
@@ -535,6 +535,10 @@ def test_serve_refuses_a_portable_build_and_missing_pieces(tmp_path, engine_dir,
         load_build(tmp_path)
     manifest["tokenizer_dir"] = str(tokenizer_dir)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(EngineError, match=r"rendered from other model templates.*make build ENGINE=trtllm"):
+        load_build(tmp_path)  # a build from before an update of the templates
+    manifest["templates"] = templates_digest()
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     assert load_build(tmp_path).version == "1.2.1"
 
 
@@ -558,6 +562,7 @@ def test_serve_trtllm_in_the_image_launches_with_the_recorded_options(tmp_path, 
         "engine_dir": str(engine_dir),
         "tokenizer_dir": str(engine_dir),
         "server_options": ["--backend-config=python,thread-pool-size=48"],
+        "templates": templates_digest(),
     }
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     (engine_dir / "tokenizer.json").write_text("{}")
@@ -581,6 +586,8 @@ def test_build_once_skips_a_build_it_already_made(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "main", lambda args: calls.append(args) or 0)
     args = ["--engine", "portable", "--build-dir", str(tmp_path)]
     assert container.build_once(args, tmp_path) == 0 and len(calls) == 1
-    (tmp_path / "manifest.json").write_text("{}")
+    (tmp_path / "manifest.json").write_text(json.dumps({"templates": templates_digest()}))
     assert container.build_once(args, tmp_path) == 0 and len(calls) == 1, "same arguments: no second build"
-    assert container.build_once([*args, "--max-batch-size", "8"], tmp_path) == 0 and len(calls) == 2
+    (tmp_path / "manifest.json").write_text("{}")
+    assert container.build_once(args, tmp_path) == 0 and len(calls) == 2, "rendered from other templates: again"
+    assert container.build_once([*args, "--max-batch-size", "8"], tmp_path) == 0 and len(calls) == 3
