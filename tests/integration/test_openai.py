@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -13,6 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client import generate, infer_inputs, request_tensors
+from tests.integration.test_server import loads_torch
 from tests.integration.test_streaming import wait_for_in_flight
 from tritonllm.protocol import MAX_WORD_BYTES
 
@@ -48,6 +51,13 @@ def stream_chat(api, model, content=QUESTION, **options) -> tuple[str, list]:
 def test_models(api, manifest, model):
     assert model == manifest["tokenizer_dir"].rstrip("/").split("/")[-1]
     assert api.models.retrieve(model).id == model
+
+
+def test_the_layer_loads_no_torch(base_url, model):
+    port = base_url.rsplit(":", 1)[1].split("/")[0]
+    pids = subprocess.run(["pgrep", "-f", "tritonllm.openai.app"], capture_output=True, text=True).stdout.split()
+    [pid] = [pid for pid in pids if f"--port\0{port}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert not loads_torch(int(pid))
 
 
 def test_chat_equals_the_ensemble(api, model, tokenizer, server):

@@ -58,6 +58,29 @@ def test_all_models_ready(url, manifest):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
+def loads_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as maps:
+        return any("libtorch_cpu" in line for line in maps)
+
+
+def test_the_text_models_load_no_torch(server):
+    """Tokenizing and detokenizing need no torch (tritonllm/text/tokenizer.py): it would take ~270 MB and ~1.5 s
+    of start-up in each of these processes."""
+    pids = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout.split()
+    stubs = {}
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            model = next(
+                (arg.split(b"/")[-3] for arg in cmdline.read().split(b"\0") if arg.endswith(b"/model.py")), b""
+            )
+        stubs[int(pid)] = model.decode()
+    text_models = {
+        pid: model for pid, model in stubs.items() if model in ("preprocessing", "postprocessing", "tensorrt_llm_bls")
+    }
+    assert sorted(set(text_models.values())) == ["postprocessing", "preprocessing", "tensorrt_llm_bls"], stubs
+    assert [model for pid, model in text_models.items() if loads_torch(pid)] == []
+
+
 def test_greedy_text_equals_transformers_generate(url, tokenizer, hf_model, prompt):
     assert generate(prompt, 24, url=url) == expected_text(tokenizer, hf_model, prompt, 24)
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer
-
 from tritonllm.backend.triton_glue import flag, model_config, parameters, run_batch
 from tritonllm.text.detokenization import Detokenizer, Postprocessor
 from tritonllm.text.tokenization import Limits, Preprocessor
+from tritonllm.text.tokenizer import load_tokenizer
 
 
 def preprocessor(params: dict[str, str]) -> Preprocessor:
     """The preprocessing model's step from its config's parameters (tensorrt_llm_bls runs the same one)."""
-    tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
+    tokenizer = load_tokenizer(params["tokenizer_dir"], params.get("tokenizer_class", ""))
     limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
     return Preprocessor(tokenizer, limits, flag(params["add_special_tokens"]), int(params.get("max_beam_width", "1")))
 
@@ -27,7 +26,7 @@ class PreprocessingModel:
 class PostprocessingModel:
     def initialize(self, args: dict) -> None:
         params = parameters(model_config(args))
-        tokenizer = AutoTokenizer.from_pretrained(params["tokenizer_dir"])
+        tokenizer = load_tokenizer(params["tokenizer_dir"], params.get("tokenizer_class", ""))
         self.postprocessor = Postprocessor(Detokenizer(tokenizer, flag(params["skip_special_tokens"])))
 
     def execute(self, requests: list) -> list:

@@ -23,6 +23,7 @@ from tritonllm.engine.api import ENGINE_CONFIG_FILE, GGUF_AS_IS, LLAMACPP, Engin
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError
 from tritonllm.options import add_options, option_fields
+from tritonllm.text.tokenizer import resolved_class
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Python-backend threads per model instance, at most: beyond it, the ensemble's requests wait for a thread in the
@@ -56,6 +57,7 @@ class BuildPlan:
     max_queue_size: int = 0  # requests that may wait for a batch slot (0: as many as max_batch_size)
     max_beam_width: int = 1  # the portable engine generates one beam; a TensorRT-LLM engine's is built in
     kv_cache_block_tokens: int = 1  # kv_cache_reused_blocks' unit: one token in the portable engine
+    tokenizer_class: str = ""  # the class AutoTokenizer picks for model_dir (tritonllm/text/tokenizer.py)
     engine_values: dict[str, str] = field(default_factory=dict)  # the flavor's own template values
     engine_config: EngineConfig | None = None  # the portable engine's, written beside it as engine.json
     details: dict = field(default_factory=dict)  # what else the manifest records (the TensorRT-LLM engine's)
@@ -88,6 +90,7 @@ class BuildPlan:
             "postprocessing_instance_count": str(self.text_instances),
             "bls_instance_count": str(self.text_instances),
             "tokenizer_dir": self.model_dir,
+            "tokenizer_class": self.tokenizer_class,
             "add_special_tokens": "true",
             "skip_special_tokens": "true",
             "max_input_len": str(self.max_input_len),
@@ -306,6 +309,13 @@ def engine_name(plan: BuildPlan) -> str:
     return f"portable (transformers, {config.device})"
 
 
+def tokenizer_class(model_dir: str) -> str:
+    """The tokenizer class AutoTokenizer picks for the model, recorded for the serving processes to load directly."""
+    from transformers import AutoTokenizer
+
+    return resolved_class(AutoTokenizer.from_pretrained(model_dir))
+
+
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -401,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.engine_only:
                 return 0
             plan = plan_trtllm(model_dir, engine_dir, args)
+        plan = dataclasses.replace(plan, tokenizer_class=tokenizer_class(plan.model_dir))
         files = dict(plan.files)
         if plan.engine_config is not None:
             files[f"tensorrt_llm/1/{ENGINE_CONFIG_FILE}"] = json.dumps(asdict(plan.engine_config), indent=2) + "\n"

@@ -364,6 +364,7 @@ class OpenAIFrontend:
     model_name: str | None = None
     log_file: Path | None = None
     kv_cache_block_tokens: int = 1
+    tokenizer_class: str = ""
 
     process: subprocess.Popen | None = None
 
@@ -371,6 +372,7 @@ class OpenAIFrontend:
     def for_build(cls, grpc_url: str, manifest: dict, port: int, **options) -> OpenAIFrontend:
         """The layer for a build's model (its tokenizer and limits, from manifest.json) in front of `grpc_url`."""
         options.setdefault("kv_cache_block_tokens", manifest.get("kv_cache_block_tokens", 1))
+        options.setdefault("tokenizer_class", manifest.get("tokenizer_class", ""))
         return cls(
             grpc_url, manifest["tokenizer_dir"], manifest["max_input_len"], manifest["max_seq_len"], port, **options
         )
@@ -407,6 +409,8 @@ class OpenAIFrontend:
         ]
         if self.model_name:
             command += ["--model-name", self.model_name]
+        if self.tokenizer_class:
+            command += ["--tokenizer-class", self.tokenizer_class]
         env = dict(os.environ, TRITONLLM_API_KEY=self.api_key or "")
         output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
         self._output = output

@@ -116,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="without --manifest: tokens per KV cache block, to count cached prompt tokens (1: the portable engine)",
     )
+    parser.add_argument(
+        "--tokenizer-class",
+        default="",
+        help="without --manifest: the tokenizer class the build recorded (its manifest's tokenizer_class); "
+        "default: AutoTokenizer picks it",
+    )
     parser.add_argument("--grpc-url", default=f"127.0.0.1:{PORTS['grpc']}", help="the Triton server's gRPC address")
     parser.add_argument("--model-name", help="the name clients use (default: the tokenizer folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tokenizer_dir = manifest["tokenizer_dir"]
         args.max_input_len, args.max_seq_len = manifest["max_input_len"], manifest["max_seq_len"]
         args.kv_cache_block_tokens = manifest.get("kv_cache_block_tokens", 1)
+        args.tokenizer_class = manifest.get("tokenizer_class", "")
     elif not (args.tokenizer_dir and args.max_input_len and args.max_seq_len):
         parser.error("give --manifest, or --tokenizer-dir with --max-input-len and --max-seq-len")
     settings = Settings(
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_seq_len,
         args.api_key or None,
         kv_cache_block_tokens=args.kv_cache_block_tokens,
+        tokenizer_class=args.tokenizer_class,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
     return 0

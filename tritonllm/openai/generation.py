@@ -22,6 +22,7 @@ from tritonllm.openai.logprobs import TokenTexts
 from tritonllm.openai.models import FINISH_REASONS, APIError, Generation, SamplingRequest, Settings
 from tritonllm.openai.tools import hermes_messages, template_renders_tools
 from tritonllm.protocol import infer_inputs, request_tensors
+from tritonllm.text.tokenizer import load_tokenizer
 
 T = TypeVar("T")
 
@@ -30,10 +31,8 @@ class Generator:
     """The served model as the routes see it: prompts in, choices out (whole, or as deltas)."""
 
     def __init__(self, settings: Settings) -> None:
-        from transformers import AutoTokenizer
-
         self.settings = settings
-        self.tokenizer = tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_dir)
+        self.tokenizer = tokenizer = load_tokenizer(settings.tokenizer_dir, settings.tokenizer_class)
         bos = tokenizer.bos_token_id
         self._adds_bos = bool(bos is not None and tokenizer("x")["input_ids"][:1] == [bos])
         self.vocab_size = len(tokenizer)

@@ -450,6 +450,7 @@ class Settings:
     api_key: str | None = None
     triton_model: str = STREAMING_MODEL
     kv_cache_block_tokens: int = 1  # the unit of the engine's kv_cache_reused_blocks
+    tokenizer_class: str = ""  # the build's record of it (tritonllm/text/tokenizer.py); empty: AutoTokenizer picks
 
 
 @dataclass
