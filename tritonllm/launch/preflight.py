@@ -15,6 +15,15 @@ MIN_GLIBC = (2, 35)  # the nvidia-pytriton wheel is manylinux_2_35
 PYTHONS = ((3, 10), (3, 13))  # tritonserver 2.51 ships Python-backend stubs for 3.8-3.13; torch 2.13 needs >= 3.10
 
 
+def llama_cpp_cflags() -> str:
+    """The compiler flags llama.cpp is built with, the engine's (by the Makefile) and bench-peers' llama-server alike.
+
+    It is compiled for the CPU it is built on, without AMX: some virtual machines report AMX and then stop a
+    process that uses it with an illegal instruction (llama.cpp's AMX path serves quantized models such as the
+    packaged Q4_1 one)."""
+    return "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if platform.machine() == "x86_64" else ""
+
+
 def problems() -> list[str]:
     found = []
     version = sys.version_info[:2]
@@ -59,4 +68,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--llama-cpp-cflags"]:  # for the Makefile
+        print(llama_cpp_cflags())
+        sys.exit(0)
     sys.exit(main())
