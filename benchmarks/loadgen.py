@@ -149,9 +149,12 @@ class Targets:
         connections: int = 256,
         openai: tuple[str, str] | None = None,
         openai_body: dict | None = None,
+        keep_alive: bool = True,
     ):
         """`token_ids`: chat_token_ids(tokenizer, prompts) when already made; `openai`: (base URL, model name);
-        `openai_body`: fields added to every OpenAI request's body."""
+        `openai_body`: fields added to every OpenAI request's body; `keep_alive` false: each OpenAI or
+        server-sent-event request on a connection of its own (llama-server drops a connection after a streamed
+        response without saying so, and the next request on it fails)."""
         import tritonclient.grpc.aio as grpcaio
         import tritonclient.http.aio as httpaio
 
@@ -159,6 +162,7 @@ class Targets:
         self.http = httpaio.InferenceServerClient(http_url, conn_limit=connections, conn_timeout=600)
         self.http_url, self.openai, self.connections = http_url, openai, connections
         self.openai_body = dict(openai_body or {})
+        self.keep_alive = keep_alive
         self._session = None  # an aiohttp session for the server-sent-event targets, made on first use
         self.prompts = list(prompts)
         self.max_tokens = max_tokens
@@ -247,7 +251,8 @@ class Targets:
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self.connections))
+            connector = aiohttp.TCPConnector(limit=self.connections, force_close=not self.keep_alive)
+            self._session = aiohttp.ClientSession(connector=connector)
         async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=600)) as response:
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")

