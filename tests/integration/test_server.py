@@ -57,7 +57,6 @@ def test_all_models_ready(url, manifest):
         assert not config.get("model_transaction_policy", {}).get("decoupled", False)
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
 def loads_torch(pid: int) -> bool:
     with open(f"/proc/{pid}/maps") as maps:
         return any("libtorch_cpu" in line for line in maps)
@@ -81,6 +80,7 @@ def test_the_text_models_load_no_torch(server):
     assert [model for pid, model in text_models.items() if loads_torch(pid)] == []
 
 
+@pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_text_equals_transformers_generate(url, tokenizer, hf_model, prompt):
     assert generate(prompt, 24, url=url) == expected_text(tokenizer, hf_model, prompt, 24)
 
