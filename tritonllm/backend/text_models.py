@@ -8,11 +8,17 @@ from tritonllm.text.tokenization import Limits, Preprocessor
 from tritonllm.text.tokenizer import load_tokenizer
 
 
+def tokenizer(params: dict[str, str]):
+    """The tokenizer a text model's config parameters name."""
+    return load_tokenizer(params["tokenizer_dir"], params.get("tokenizer_class", ""))
+
+
 def preprocessor(params: dict[str, str]) -> Preprocessor:
     """The preprocessing model's step from its config's parameters (tensorrt_llm_bls runs the same one)."""
-    tokenizer = load_tokenizer(params["tokenizer_dir"], params.get("tokenizer_class", ""))
     limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
-    return Preprocessor(tokenizer, limits, flag(params["add_special_tokens"]), int(params.get("max_beam_width", "1")))
+    return Preprocessor(
+        tokenizer(params), limits, flag(params["add_special_tokens"]), int(params.get("max_beam_width", "1"))
+    )
 
 
 class PreprocessingModel:
@@ -26,8 +32,7 @@ class PreprocessingModel:
 class PostprocessingModel:
     def initialize(self, args: dict) -> None:
         params = parameters(model_config(args))
-        tokenizer = load_tokenizer(params["tokenizer_dir"], params.get("tokenizer_class", ""))
-        self.postprocessor = Postprocessor(Detokenizer(tokenizer, flag(params["skip_special_tokens"])))
+        self.postprocessor = Postprocessor(Detokenizer(tokenizer(params), flag(params["skip_special_tokens"])))
 
     def execute(self, requests: list) -> list:
         return run_batch(requests, self.postprocessor.process)
