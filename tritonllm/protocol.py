@@ -14,9 +14,18 @@ import numpy as np
 ENSEMBLE = "ensemble"
 PREPROCESSING = "preprocessing"
 POSTPROCESSING = "postprocessing"
-ENGINE_MODEL = "tensorrt_llm"  # both flavors: the TensorRT-LLM C++ backend, or the portable engine
+# tensorrt_llm: request/response in the default deployment (NVIDIA's decoupled_mode false), where the engine itself
+# (the TensorRT-LLM C++ backend or the portable engine) is tensorrt_llm_decoupled, which tensorrt_llm_bls streams
+# from; with decoupled_mode, tensorrt_llm is the engine, and the ensemble streams, as NVIDIA's.
+ENGINE_MODEL = "tensorrt_llm"
+DECOUPLED_ENGINE_MODEL = "tensorrt_llm_decoupled"
 STREAMING_MODEL = "tensorrt_llm_bls"
-BRIDGE_MODEL = "tensorrt_llm_bridge"
+
+
+def engine_model(decoupled_mode: bool) -> str:
+    """The model that runs the engine and streams its tokens, in the deployment `decoupled_mode` says."""
+    return ENGINE_MODEL if decoupled_mode else DECOUPLED_ENGINE_MODEL
+
 
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}  # Triton's defaults
 OPENAI_PORT = 9000
@@ -35,6 +44,9 @@ MAX_WORD_BYTES = 256  # bytes per stop or bad word
 # takes twice as many sequences as a client may send words.
 MAX_WORD_SEQUENCES = 2 * MAX_WORDS
 
+# TensorRT-LLM's default minimum length (DefaultDecodingParams::getMinLength): the end id never comes first.
+DEFAULT_MIN_TOKENS = 1
+
 MAX_BIASED_TOKENS = 1024  # embedding_bias_words, and logit_bias_token_ids, per request
 MAX_TOP_LOG_PROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit)
 # TensorRT-LLM's guided decoding types (its `guided_decoding_guide_type` values), which both engines take.
@@ -43,6 +55,11 @@ GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 # TensorRT-LLM's per-request KV cache counts, returned with return_perf_metrics (the portable engine's blocks are
 # one token each); the reused blocks are the prompt's part that an earlier request's cache served.
 KV_CACHE_OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
+# The rest of TensorRT-LLM's return_perf_metrics outputs: a request's times (INT64 nanoseconds of the steady clock,
+# 0 where the engine does not know one), and speculative decoding's counts (0 without a draft model).
+TIMING_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+DRAFT_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+PERF_OUTPUTS = KV_CACHE_OUTPUTS + TIMING_OUTPUTS + DRAFT_OUTPUTS
 
 Tensors = list[tuple[str, np.ndarray, str]]  # (name, value, Triton datatype)
 

@@ -46,7 +46,7 @@ from tritonllm.backend.triton_glue import (
     to_tensors,
 )
 from tritonllm.errors import InputError
-from tritonllm.protocol import KV_CACHE_OUTPUTS, stop_request_tensors
+from tritonllm.protocol import PERF_OUTPUTS, stop_request_tensors
 from tritonllm.text.detokenization import Detokenizer, finish_reason
 from tritonllm.text.stream import TextStream
 from tritonllm.text.tokenization import as_text, scalar
@@ -105,11 +105,11 @@ class _Delta:
 
 @dataclass
 class _Whole(_Delta):
-    """A request's whole answer (its deltas when not streaming), the sum of its log probs, and the KV cache
-    counts of the engine's final response when the request asked for them."""
+    """A request's whole answer (its deltas when not streaming), the sum of its log probs, and the perf metrics
+    (KV cache counts, times) of the engine's final response when the request asked for them."""
 
     cum_log_prob: float = 0.0
-    kv_cache: dict[str, np.ndarray] = field(default_factory=dict)
+    perf: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _output(response, name: str) -> np.ndarray:
@@ -230,7 +230,7 @@ class StreamingModel:
                 final["num_output_tokens"] = np.array([[stream.num_tokens]], dtype=np.int32)
             if state.log_probs >= 0:
                 final["cum_log_probs"] = np.array([[whole.cum_log_prob]], dtype=np.float32)
-            final.update(whole.kv_cache)
+            final.update(whole.perf)
             response = pb_utils.InferenceResponse(to_tensors(final, state.wanted))
         except _Cancelled:
             response = pb_utils.InferenceResponse(
@@ -254,7 +254,11 @@ class StreamingModel:
     ) -> _Whole:
         """Stream the engine's tokens through `stream`; queue the deltas when `streaming`, else collect them."""
         step = self.engine_step
-        inputs = [pb_utils.Tensor(key, tensors[name]) for key, name in step.input_map.items() if name in tensors]
+        inputs = [
+            pb_utils.Tensor(key, tensors[name])
+            for key, name in step.input_map.items()
+            if name in tensors and key != "streaming"  # the decoupled ensemble maps it from `stream`
+        ]
         inputs.append(pb_utils.Tensor("streaming", np.array([[True]])))
         request_id = str(next(self._ids))
         outputs = ["output_ids", "sequence_length"]
@@ -264,7 +268,7 @@ class StreamingModel:
             outputs += ["top_log_probs", "top_log_prob_ids"]
         perf = bool(scalar(tensors, "return_perf_metrics", 0))
         if perf:
-            outputs += list(KV_CACHE_OUTPUTS)
+            outputs += list(PERF_OUTPUTS)
         request = pb_utils.InferenceRequest(
             model_name=self.engine_model, inputs=inputs, requested_output_names=outputs, request_id=request_id
         )
@@ -274,10 +278,10 @@ class StreamingModel:
         for response in exec_decoupled(request, state.iterators):
             state.answered = True
             if perf:  # on the engine's final response, which a stopped request still waits for
-                for name in KV_CACHE_OUTPUTS:
+                for name in PERF_OUTPUTS:
                     tensor = pb_utils.get_output_tensor_by_name(response, name)
                     if tensor is not None:
-                        whole.kv_cache[name] = np.array(tensor.as_numpy(), dtype=np.int32).reshape(1, 1)  # a copy
+                        whole.perf[name] = np.array(tensor.as_numpy()).reshape(1, 1)  # a copy
             if stopping:
                 if response.has_error():
                     break  # an error ends the request: nothing more will come
@@ -291,7 +295,10 @@ class StreamingModel:
                 delta = _Delta(stream.push(ids))
                 if state.log_probs >= 0:
                     delta.ids = ids
-                    delta.log_probs = _output(response, "output_log_probs").reshape(-1)[:length].tolist()
+                    # TensorRT-LLM's streamed log probs are all those so far (its LLM API slices them the same
+                    # way); the portable engine's are the response's own: the last `length` are this response's.
+                    so_far = _output(response, "output_log_probs").reshape(-1)
+                    delta.log_probs = so_far[len(so_far) - length :].tolist()
                     whole.cum_log_prob += sum(delta.log_probs)
                 if state.log_probs > 0:
                     k = state.log_probs

@@ -1,10 +1,12 @@
-"""Triton adapter of `tensorrt_llm_bridge`: the engine, request/response.
+"""Triton adapter of `tensorrt_llm` in the default deployment: the engine's request/response face.
 
-A decoupled step would make the whole ensemble decoupled, and HTTP /infer refuses decoupled
-models. This non-decoupled model forwards each request to the decoupled engine (BLS) and answers
-with the engine's final response. Its `execute` returns at once and a worker thread answers
-through the response sender, so one instance keeps every request in flight at the same time
-(a plain `execute` would run them one after another).
+HTTP /infer and gRPC ModelInfer refuse decoupled models, and a decoupled step would make the
+ensemble decoupled. So, as NVIDIA's `decoupled_mode: false` deployment, `tensorrt_llm` answers each
+request once: this non-decoupled model forwards it to the decoupled engine (BLS; the engine is
+`tensorrt_llm_decoupled`, which tensorrt_llm_bls streams from) and answers with the engine's final
+response. A batch is sent row by row and answered in row order. Its `execute` returns at once and a
+worker thread answers through the response sender, so one instance keeps every request in flight at
+the same time (a plain `execute` would run them one after another).
 """
 
 from __future__ import annotations
@@ -12,10 +14,13 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from tritonllm.backend.engine_io import stack_rows
 from tritonllm.backend.model_config import read_config
 from tritonllm.backend.triton_glue import (
+    ENGINE_PARAMETER_INPUTS,
     FINAL,
     error_response,
     exec_decoupled,
@@ -23,7 +28,16 @@ from tritonllm.backend.triton_glue import (
     model_config,
     parameters,
     raise_if_error,
+    requested_outputs,
     settle_after,
+    to_tensors,
+)
+from tritonllm.errors import InputError
+from tritonllm.text.tokenization import scalar
+
+STREAMING_REFUSED = (
+    "tensorrt_llm answers once in this deployment (NVIDIA's decoupled_mode false): stream through tensorrt_llm_bls, "
+    "or build with --decoupled-mode (make build BUILD_ARGS=--decoupled-mode), where tensorrt_llm and ensemble stream"
 )
 
 
@@ -44,37 +58,59 @@ class BridgeModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                inputs = [
-                    pb_utils.Tensor(
-                        name, array.reshape(array.shape[0], *self.reshaped[name]) if name in self.reshaped else array
-                    )
-                    for name, array in input_arrays(request).items()
-                ]
-                requested = request.requested_output_names() or ["output_ids", "sequence_length"]
-                outputs = [name for name in requested if name in self.engine_outputs]
+                arrays = input_arrays(request, ENGINE_PARAMETER_INPUTS)
+                if scalar(arrays, "streaming", 0):
+                    raise InputError("streaming", STREAMING_REFUSED)
+                wanted = requested_outputs(request)
+                rows = self._rows(arrays)
+                asked = sorted(wanted) if wanted else ["output_ids", "sequence_length"]
+                outputs = [name for name in asked if name in self.engine_outputs]
+                pad = arrays.get("pad_id")
+                pad_id = int(pad.reshape(-1)[0]) if pad is not None else 0
             except Exception as exc:
                 sender.send(error_response(exc), flags=FINAL)
                 continue
-            self.workers.submit(self._forward, inputs, list(outputs), sender)
+            self.workers.submit(self._forward, rows, outputs, wanted, pad_id, request.request_id(), sender)
         return None
 
-    def _forward(self, inputs: list, outputs: list[str], sender) -> None:
+    def _rows(self, arrays: dict[str, np.ndarray]) -> list[list]:
+        """The engine's inputs for each batch row (a `stop` request is one row)."""
+        batch = max((a.shape[0] for a in arrays.values()), default=1)
+        return [
+            [
+                pb_utils.Tensor(name, self._shaped(name, array[row % array.shape[0] : row % array.shape[0] + 1]))
+                for name, array in arrays.items()
+            ]
+            for row in range(batch)
+        ]
+
+    def _shaped(self, name: str, array: np.ndarray) -> np.ndarray:
+        return array.reshape(array.shape[0], *self.reshaped[name]) if name in self.reshaped else array
+
+    def _forward(
+        self, rows: list[list], outputs: list[str], wanted: set[str] | None, pad_id: int, request_id: str, sender
+    ) -> None:
         iterators: list = []
         try:
-            engine_request = pb_utils.InferenceRequest(
-                model_name=self.engine_model, inputs=inputs, requested_output_names=outputs
-            )
-            answer = None
-            for response in exec_decoupled(engine_request, iterators):
-                raise_if_error(response)
-                if response.output_tensors():
-                    answer = pb_utils.InferenceResponse(output_tensors=response.output_tensors())
-            if answer is None:
-                answer = error_response(RuntimeError(f"{self.engine_model} sent no output"))
+            answers = [self._one(inputs, outputs, request_id, iterators) for inputs in rows]
+            tensors = stack_rows(answers, pad_id)
+            answer = pb_utils.InferenceResponse(output_tensors=to_tensors(tensors, wanted))
         except Exception as exc:
             answer = error_response(exc)
         settle_after(sender, iterators)  # only this thread asks this sender: a real round trip
         sender.send(answer, flags=FINAL)
+
+    def _one(self, inputs: list, outputs: list[str], request_id: str, iterators: list) -> dict[str, np.ndarray]:
+        """One row's final answer from the engine (empty for a `stop` request), its outputs as arrays."""
+        engine_request = pb_utils.InferenceRequest(
+            model_name=self.engine_model, inputs=inputs, requested_output_names=outputs, request_id=request_id
+        )
+        answer: dict[str, np.ndarray] = {}
+        for response in exec_decoupled(engine_request, iterators):
+            raise_if_error(response)
+            if response.output_tensors():
+                answer = {t.name(): np.array(t.as_numpy(), copy=True) for t in response.output_tensors()}
+        return answer
 
     def finalize(self) -> None:
         self.workers.shutdown(wait=True, cancel_futures=True)

@@ -9,26 +9,36 @@ nothing, as in TensorRT-LLM with one beam.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from tritonllm.engine.api import GenerationRequest, Guide, Penalties, SamplingParams, TokenLogProbs
+from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams, TokenLogProbs
 from tritonllm.errors import InputError
-from tritonllm.protocol import KV_CACHE_OUTPUTS, MAX_TOP_LOG_PROBS, MAX_WORD_SEQUENCES
+from tritonllm.protocol import (
+    DEFAULT_MIN_TOKENS,
+    KV_CACHE_OUTPUTS,
+    MAX_TOP_LOG_PROBS,
+    MAX_WORD_SEQUENCES,
+    PERF_OUTPUTS,
+    TIMING_OUTPUTS,
+)
 from tritonllm.text.tokenization import Limits, check_sampling, parse_guide, parse_word_list, scalar
 
 
 def sampling_params(temperature, top_k, top_p, seed) -> SamplingParams:
-    """Greedy unless the request asks for randomness: temperature > 0, top_k > 1 or top_p < 1. A runtime_top_p
-    of 0 or less is unset, as TensorRT-LLM's backend reads it (NVIDIA's inflight_batcher_llm_client sends 0)."""
+    """TensorRT-LLM's rule (its sampling kernel turns top_k 0 with top_p 0 into top_k 1): greedy unless the request
+    asks for a cut that keeps more than one token, top_k > 1 or top_p in (0, 1]; then `temperature` (1 when
+    absent) scales the logits, and 0 is greedy. A runtime_top_p of 0 or less is unset, as TensorRT-LLM's backend
+    reads it (NVIDIA's inflight_batcher_llm_client sends 0). A temperature alone is greedy, as there."""
     if top_p is not None and top_p <= 0:
         top_p = None
     check_sampling(temperature, top_k, top_p)
-    if temperature == 0 or top_k == 1:
-        return SamplingParams()
-    if temperature is None and not top_k and (top_p is None or top_p >= 1):
+    if temperature == 0 or not ((top_k or 0) > 1 or top_p is not None):
         return SamplingParams()
     return SamplingParams(
         sample=True,
@@ -111,7 +121,8 @@ def penalties(arrays: dict[str, np.ndarray], row: int) -> Penalties:
     min_tokens = scalar(arrays, "min_tokens", row)
     if min_tokens is not None and min_tokens < 0:
         raise InputError("min_tokens", f"must be >= 0, got {min_tokens}")
-    return Penalties(**values, min_tokens=int(min_tokens or 0))
+    # TensorRT-LLM's default minimum length is 1: the end id is never the first token unless min_tokens says 0.
+    return Penalties(**values, min_tokens=DEFAULT_MIN_TOKENS if min_tokens is None else int(min_tokens))
 
 
 def _embedding_bias(arrays: dict[str, np.ndarray], row: int, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -203,14 +214,88 @@ def pack_outputs(
     return outputs
 
 
-def kv_cache_outputs(input_tokens: list[int], generated: list[int], cached: list[int]) -> dict[str, np.ndarray]:
-    """TensorRT-LLM's per-request KV cache counts (KV_CACHE_OUTPUTS: new, reused, total), one row per request.
+@dataclass(frozen=True)
+class RowTimes:
+    """When a request row was scheduled and got its first and latest tokens (perf_counter, the steady clock)."""
 
-    The portable engine's blocks are one token each: a request holds its prompt's cells and one per generated
-    token but the last (never fed back); `cached` of them were an earlier request's (the prefix cache)."""
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+    @staticmethod
+    def after(earlier: RowTimes | None, submitted: float, emission: Emission, generated: int) -> RowTimes:
+        """The times once `emission` arrived: the engine's own on a final one (relative to `submitted`), and
+        for a stream's earlier ones, when its tokens reached this process."""
+        times = earlier or RowTimes()
+        if emission.final and emission.time_to_schedule is not None:
+            times = dataclasses.replace(times, scheduled=submitted + emission.time_to_schedule)
+        if emission.final and emission.time_to_first_token is not None:
+            first = submitted + emission.time_to_first_token
+            last = first + (emission.time_per_output_token or 0.0) * max(generated - 1, 0)
+            return RowTimes(times.scheduled, first, last)
+        if not emission.token_ids:
+            return times
+        now = time.perf_counter()
+        return RowTimes(times.scheduled, times.first_token or now, now)
+
+
+def perf_outputs(
+    input_tokens: list[int],
+    generated: list[int],
+    cached: list[int],
+    arrival: float,
+    times: list[RowTimes | None],
+) -> dict[str, np.ndarray]:
+    """TensorRT-LLM's return_perf_metrics outputs (protocol.PERF_OUTPUTS), one row per request row.
+
+    KV cache counts: the portable engine's blocks are one token each; a request holds its prompt's cells and one
+    per generated token but the last (never fed back); `cached` of them were an earlier request's (the prefix
+    cache). Times: nanoseconds of the steady clock (CLOCK_MONOTONIC, as the executor's), 0 for one not known (the
+    transformers engine does not report when it scheduled a request). No speculative decoding: 0 draft tokens."""
     total = [prompt + max(made - 1, 0) for prompt, made in zip(input_tokens, generated, strict=True)]
     new = [t - c for t, c in zip(total, cached, strict=True)]
-    return {
-        name: np.asarray(values, dtype=np.int32).reshape(-1, 1)
-        for name, values in zip(KV_CACHE_OUTPUTS, (new, cached, total), strict=True)
+    rows = [t or RowTimes() for t in times]
+
+    def ns(seconds: float | None) -> int:
+        return 0 if seconds is None else round(seconds * 1e9)
+
+    columns = {
+        **dict(zip(KV_CACHE_OUTPUTS, (new, cached, total), strict=True)),
+        "arrival_time_ns": [ns(arrival)] * len(rows),
+        "first_scheduled_time_ns": [ns(t.scheduled) for t in rows],
+        "first_token_time_ns": [ns(t.first_token) for t in rows],
+        "last_token_time_ns": [ns(t.last_token) for t in rows],
+        "acceptance_rate": [0.0] * len(rows),
+        "total_accepted_draft_tokens": [0] * len(rows),
+        "total_draft_tokens": [0] * len(rows),
     }
+    return {name: np.asarray(columns[name], dtype=PERF_DTYPES[name]).reshape(-1, 1) for name in PERF_OUTPUTS}
+
+
+# The numpy types of the outputs, as model_repository/_shared/tensorrt_llm_io.pbtxt declares them.
+PERF_DTYPES = {
+    **dict.fromkeys(KV_CACHE_OUTPUTS, np.int32),
+    **dict.fromkeys(TIMING_OUTPUTS, np.int64),
+    "acceptance_rate": np.float32,
+    "total_accepted_draft_tokens": np.int32,
+    "total_draft_tokens": np.int32,
+}
+
+
+def stack_rows(rows: list[dict[str, np.ndarray]], pad_id: int) -> dict[str, np.ndarray]:
+    """One response for a batch whose rows were answered one by one: each output's rows joined along the batch
+    dimension, ragged dimensions padded at the end (output_ids with `pad_id`, as the engine pads, the rest with 0)."""
+    if len(rows) == 1:
+        return rows[0]
+    joined = {}
+    for name in rows[0]:
+        arrays = [row[name] for row in rows]
+        shape = np.max([a.shape for a in arrays], axis=0)
+        fill = pad_id if name == "output_ids" else 0
+        padded = []
+        for array in arrays:
+            out = np.full((array.shape[0], *shape[1:]), fill, dtype=array.dtype)
+            out[tuple(slice(0, n) for n in array.shape)] = array
+            padded.append(out)
+        joined[name] = np.concatenate(padded)
+    return joined

@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.backend.engine_io import exclude_input, kv_cache_outputs, pack_outputs, parse_requests
+from tritonllm.backend.engine_io import RowTimes, exclude_input, pack_outputs, parse_requests, perf_outputs
 from tritonllm.backend.metrics import EngineMetrics
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.triton_glue import (
+    ENGINE_PARAMETER_INPUTS,
     FINAL,
     error_response,
     flag,
@@ -62,9 +63,12 @@ class _Call:
     exclude_input: bool
     pad_id: int
     counts: tuple[bool, bool]  # return_num_input_tokens, return_num_output_tokens
-    perf: bool  # return_perf_metrics: the KV cache block counts (kv_cache_outputs)
+    perf: bool  # return_perf_metrics: the KV cache block counts and the request's times (perf_outputs)
     wanted: set[str] | None  # the outputs the request asked for (triton_glue.requested_outputs)
+    arrival: float = field(default_factory=time.perf_counter)  # the steady clock, as TensorRT-LLM's times
     engine_ids: list[str] = field(default_factory=list)
+    submitted: dict[int, float] = field(default_factory=dict)  # per row, when handed to the engine
+    times: dict[int, RowTimes] = field(default_factory=dict)  # per row, its scheduling and token times
     tokens: dict[int, list[int]] = field(default_factory=dict)  # finished rows
     log_probs: dict[int, list] = field(default_factory=dict)  # finished rows' TokenLogProbs, when asked
     cum_log_prob: float = 0.0  # a stream's, so far
@@ -125,7 +129,7 @@ class EngineModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                arrays = input_arrays(request)
+                arrays = input_arrays(request, ENGINE_PARAMETER_INPUTS)
                 if scalar(arrays, "stop", 0):
                     self._stop(request.request_id(), sender)
                     continue
@@ -155,6 +159,7 @@ class EngineModel:
             self._live[id(call)] = call
             try:
                 for row, generation in enumerate(rows):
+                    call.submitted[row] = time.perf_counter()
                     call.engine_ids.append(
                         self.engine.submit(generation, lambda e, c=call, r=row: self._on_emission(c, r, e))
                     )
@@ -196,6 +201,8 @@ class EngineModel:
         """From the engine's thread: queue what to send, never block."""
         request = call.requests[row]
         call.generated[row] = call.generated.get(row, 0) + len(emission.token_ids)
+        if call.perf:
+            call.times[row] = RowTimes.after(call.times.get(row), call.submitted[row], emission, call.generated[row])
         if emission.final:
             call.cached[row] = emission.cached_tokens
             self._finished.put(("finish", emission, len(request.input_ids), call.generated[row]))
@@ -267,13 +274,15 @@ class EngineModel:
             outputs["num_output_tokens"] = np.array(
                 [[call.generated.get(r, 0)] for r in range(len(call.requests))], dtype=np.int32
             )
-        if final and call.perf:
+        if call.perf:  # on every response, as TensorRT-LLM's executor: the counts and times so far
             rows = range(len(call.requests))
             outputs.update(
-                kv_cache_outputs(
+                perf_outputs(
                     [len(r.input_ids) for r in call.requests],
                     [call.generated.get(r, 0) for r in rows],
                     [call.cached.get(r, 0) for r in rows],
+                    call.arrival,
+                    [call.times.get(r) for r in rows],
                 )
             )
         return outputs

@@ -52,16 +52,35 @@ TRITON_PARAMETERS = frozenset(
 )
 
 
-def input_arrays(request) -> dict[str, np.ndarray]:
+# Request parameters that clients send to tensorrt_llm for one of its inputs: NVIDIA's
+# inflight_batcher_llm_client.py sends `Streaming` with every request (its `stop` requests too).
+ENGINE_PARAMETER_INPUTS = {"Streaming": "streaming"}
+
+
+def input_arrays(request, parameter_inputs: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Every input of a request as a numpy array (copied: it outlives the request's shared memory).
 
-    Raises InputError for a request parameter no model reads: HTTP /generate turns JSON keys that are not
-    inputs into parameters, so a misspelt or unsupported input would otherwise be ignored without a word."""
+    `parameter_inputs` names request parameters that stand for an input (ENGINE_PARAMETER_INPUTS): such a
+    parameter is that input when the request does not send it, and must agree with it when it does. Raises
+    InputError for any other request parameter no model reads: HTTP /generate turns JSON keys that are not inputs
+    into parameters, so a misspelt or unsupported input would otherwise be ignored without a word."""
     raw = request.parameters()
-    unknown = sorted(set(json.loads(raw)) - TRITON_PARAMETERS) if raw and raw != "{}" else []
+    given = json.loads(raw) if raw and raw != "{}" else {}
+    aliases = parameter_inputs or {}
+    unknown = sorted(set(given) - TRITON_PARAMETERS - aliases.keys())
     if unknown:
         raise InputError(unknown[0], "is not an input of this model (over HTTP /generate, a key that is not an input)")
-    return {tensor.name(): np.array(tensor.as_numpy(), copy=True) for tensor in request.inputs()}
+    arrays = {tensor.name(): np.array(tensor.as_numpy(), copy=True) for tensor in request.inputs()}
+    for parameter, name in aliases.items():
+        if parameter not in given:
+            continue
+        value = given[parameter]
+        if not isinstance(value, bool):
+            raise InputError(parameter, f"must be true or false, got {value!r}")
+        if name in arrays and bool(arrays[name].reshape(-1)[0]) != value:
+            raise InputError(parameter, f"is {str(value).lower()} but the input {name} says otherwise")
+        arrays.setdefault(name, np.array([[value]], dtype=bool))
+    return arrays
 
 
 def to_tensors(outputs: dict[str, np.ndarray], wanted: set[str] | None) -> list:
@@ -114,8 +133,10 @@ def error_response(exc: BaseException):
     Our errors carry their kind's code; a BLS callee's error is passed on as it came (our models
     tagged it already); anything else is a bug of ours: INTERNAL, logged with its traceback.
     """
-    if isinstance(exc, StepError):
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.error.message(), exc.error.code()))
+    if isinstance(exc, StepError):  # a BLS response's error code does not survive the stub: its tag does
+        kind = ErrorKind.of_message(exc.error.message())
+        code = exc.error.code() if kind is None else getattr(pb_utils.TritonError, kind.triton_code)
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.error.message(), code))
     if isinstance(exc, TritonLLMError):
         code = getattr(pb_utils.TritonError, exc.kind.triton_code)
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.tagged(), code))

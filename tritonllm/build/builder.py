@@ -23,9 +23,11 @@ from tritonllm.engine.api import ENGINE_CONFIG_FILE, GGUF_AS_IS, LLAMACPP, Engin
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError
 from tritonllm.options import add_options, option_fields
+from tritonllm.protocol import engine_model
 from tritonllm.text.tokenizer import resolved_class
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ENGINE_FOLDER = "tensorrt_llm"  # the engine's template folder: `files` under it go to the engine model's folder
 # Python-backend threads per model instance, at most: beyond it, the ensemble's requests wait for a thread in the
 # bridge (tensorrt_llm_bls and the engine model are not bounded by it: their BLS calls stream).
 MAX_BACKEND_THREADS = 512
@@ -58,6 +60,7 @@ class BuildPlan:
     max_beam_width: int = 1  # the portable engine generates one beam; a TensorRT-LLM engine's is built in
     kv_cache_block_tokens: int = 1  # kv_cache_reused_blocks' unit: one token in the portable engine
     tokenizer_class: str = ""  # the class AutoTokenizer picks for model_dir (tritonllm/text/tokenizer.py)
+    decoupled_mode: bool = False  # NVIDIA's decoupled deployment (tritonllm.build.repository.model_names)
     engine_values: dict[str, str] = field(default_factory=dict)  # the flavor's own template values
     engine_config: EngineConfig | None = None  # the portable engine's, written beside it as engine.json
     details: dict = field(default_factory=dict)  # what else the manifest records (the TensorRT-LLM engine's)
@@ -67,6 +70,11 @@ class BuildPlan:
     @property
     def queue_size(self) -> int:
         return self.max_queue_size or self.max_batch_size
+
+    @property
+    def engine_model(self) -> str:
+        """The engine's model, which streams: tensorrt_llm_decoupled, or tensorrt_llm in the decoupled deployment."""
+        return engine_model(self.decoupled_mode)
 
     def server_options(self) -> list[str]:
         """Server options this repository needs; the manifest records them and every launcher passes them.
@@ -99,6 +107,7 @@ class BuildPlan:
             "max_beam_width": str(self.max_beam_width),
             "max_inflight_requests": str(8 * self.max_batch_size),
             "max_queue_size": str(self.queue_size),
+            "engine_model": self.engine_model,
             **self.engine_values,
         }
 
@@ -191,7 +200,7 @@ def plan_synthetic(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         max_queue_size=args.max_queue_size,
         engine_values={"engine_instance_kind": "KIND_CPU"},
         details={"step_ms": config.step_ms},
-        files={f"tensorrt_llm/1/{SYNTHETIC_CONFIG_FILE}": json.dumps(asdict(config)) + "\n"},
+        files={f"{ENGINE_FOLDER}/1/{SYNTHETIC_CONFIG_FILE}": json.dumps(asdict(config)) + "\n"},
     )
 
 
@@ -236,7 +245,7 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
             "engine_dir": str(engine_dir),
             "kv_cache_free_gpu_mem_fraction": str(args.kv_cache_free_gpu_mem_fraction),
             "enable_kv_cache_reuse": "true",
-            **guided_decoding_values(repository),
+            **guided_decoding_values(repository / engine_model(args.decoupled_mode)),
         },
         details={
             "engine_dir": str(engine_dir),
@@ -368,6 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="requests that may wait for a batch slot before new ones are refused as busy (default: max-batch-size)",
     )
+    parser.add_argument(
+        "--decoupled-mode",
+        action="store_true",
+        help="NVIDIA's decoupled deployment: tensorrt_llm is the engine itself and streams, and the ensemble streams "
+        "over gRPC (no HTTP /infer); default: tensorrt_llm and the ensemble answer request/response (HTTP /infer, "
+        "gRPC ModelInfer) and tensorrt_llm_bls streams",
+    )
     parser.add_argument("--max-seq-len", type=int, default=4096, help="prompt + generated tokens (capped by the model)")
     parser.add_argument(
         "--max-input-len", type=int, default=0, help="prompt tokens (default: portable 3/4, trtllm 1/2 of max-seq-len)"
@@ -411,12 +427,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.engine_only:
                 return 0
             plan = plan_trtllm(model_dir, engine_dir, args)
-        plan = dataclasses.replace(plan, tokenizer_class=tokenizer_class(plan.model_dir))
+        plan = dataclasses.replace(
+            plan, tokenizer_class=tokenizer_class(plan.model_dir), decoupled_mode=args.decoupled_mode
+        )
         files = dict(plan.files)
         if plan.engine_config is not None:
-            files[f"tensorrt_llm/1/{ENGINE_CONFIG_FILE}"] = json.dumps(asdict(plan.engine_config), indent=2) + "\n"
+            files[f"{ENGINE_FOLDER}/1/{ENGINE_CONFIG_FILE}"] = json.dumps(asdict(plan.engine_config), indent=2) + "\n"
         flavor = "portable" if plan.engine == "synthetic" else plan.engine  # the same models, another engine
-        models = write_repository(plan.template_values(), build_dir / "model_repository", flavor=flavor, files=files)
+        models = write_repository(
+            plan.template_values(),
+            build_dir / "model_repository",
+            flavor=flavor,
+            files={path.replace(ENGINE_FOLDER, plan.engine_model, 1): text for path, text in files.items()},
+            decoupled_mode=plan.decoupled_mode,
+        )
     except (ModelSourceError, RepositoryError, BuildError, ValueError) as exc:
         print(f"build_engines.py: {exc}", file=sys.stderr)
         return 2
@@ -424,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         **{k: v for k, v in asdict(plan).items() if k not in ("engine_values", "details", "files")},
         **plan.details,
         "tokenizer_dir": plan.model_dir,
+        "engine_model": plan.engine_model,
         "server_options": plan.server_options(),
         "model_source": args.model or "default",
         "models": models,

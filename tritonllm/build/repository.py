@@ -5,7 +5,9 @@ unfilled, a value that no template uses, a config that does not parse into Trito
 `ModelConfig` message, or an ensemble whose wiring does not hold is an error naming the model
 and the field, and nothing is written. Folders of `model_repository/` starting with "_" are not
 models: `_shared/<name>.pbtxt` fills `${<name>}` wherever it appears, and
-`_flavors/<flavor>/<model>/` replaces `<model>/` for that engine flavor (e.g. trtllm).
+`_flavors/<flavor>/<model>/` replaces `<model>/` for that engine flavor (e.g. trtllm), and
+`_modes/decoupled/<model>/` replaces it in NVIDIA's decoupled deployment (`model_names` says how the two
+deployments name the engine's models).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from tritonllm.backend.model_config import parse_config, read_config
 from tritonllm.errors import ConfigError
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL
 
 __all__ = ["RepositoryError", "read_config", "render_configs", "write_repository"]
 
@@ -43,17 +46,32 @@ def fill(text: str, values: dict[str, str], where: str, used: set[str]) -> str:
     return PLACEHOLDER.sub(substitute, text)
 
 
-def model_folders(templates: Path, flavor: str) -> dict[str, Path]:
-    """Model name -> template folder; `_flavors/<flavor>/<model>` replaces the default folder of that model."""
+def model_names(decoupled_mode: bool) -> dict[str, str | None]:
+    """Template folder -> model name where they differ (None: not rendered), in each of NVIDIA's deployments.
+
+    Not decoupled (NVIDIA's decoupled_mode false, the default): the request/response face of the engine,
+    `tensorrt_llm_bridge/`, is `tensorrt_llm`, which HTTP /infer and gRPC ModelInfer reach and the ensemble calls;
+    the engine, `tensorrt_llm/`, is `tensorrt_llm_decoupled`, which tensorrt_llm_bls streams from. Decoupled: the
+    engine is `tensorrt_llm` itself, and the ensemble, decoupled too, streams over gRPC."""
+    if decoupled_mode:
+        return {"tensorrt_llm_bridge": None}
+    return {"tensorrt_llm": DECOUPLED_ENGINE_MODEL, "tensorrt_llm_bridge": ENGINE_MODEL}
+
+
+def model_folders(templates: Path, flavor: str, decoupled_mode: bool = False) -> dict[str, Path]:
+    """Model name -> template folder: `_flavors/<flavor>/<model>` replaces the default folder of that model, and
+    `_modes/decoupled/<model>` replaces it in the decoupled deployment; folders are named as `model_names` says."""
     folders = {p.name: p for p in templates.iterdir() if p.is_dir() and not p.name.startswith("_")}
-    overrides = templates / "_flavors" / flavor
-    if overrides.is_dir():
-        folders.update({p.name: p for p in overrides.iterdir() if p.is_dir()})
-    return dict(sorted(folders.items()))
+    for overrides in (templates / "_flavors" / flavor, templates / "_modes" / "decoupled"):
+        if overrides.is_dir() and (decoupled_mode or overrides.parent.name != "_modes"):
+            folders.update({p.name: p for p in overrides.iterdir() if p.is_dir()})
+    names = model_names(decoupled_mode)
+    named = {names.get(folder, folder): path for folder, path in folders.items()}
+    return dict(sorted((name, path) for name, path in named.items() if name is not None))
 
 
 def render_configs(
-    values: dict[str, str], templates: Path = TEMPLATES, flavor: str = "portable"
+    values: dict[str, str], templates: Path = TEMPLATES, flavor: str = "portable", decoupled_mode: bool = False
 ) -> dict[str, tuple[str, mc.ModelConfig]]:
     """Model name -> (config text, parsed config), after all checks."""
     fragments = {p.stem: p.read_text() for p in sorted((templates / "_shared").glob("*.pbtxt"))}
@@ -62,7 +80,7 @@ def render_configs(
         raise RepositoryError(f"values {sorted(overlap)} clash with the shared fragments of the same name")
     used: set[str] = set()
     rendered = {}
-    for folder in model_folders(templates, flavor).values():
+    for name, folder in model_folders(templates, flavor, decoupled_mode).items():
         where = f"{folder.relative_to(templates)}/config.pbtxt"
         template = (folder / "config.pbtxt").read_text()
         text = fill(template, {**fragments, **values}, where, used)
@@ -70,13 +88,13 @@ def render_configs(
             config = parse_config(text, where)
         except ConfigError as exc:
             raise RepositoryError(str(exc)) from None
-        if config.name != folder.name:
-            raise RepositoryError(f"{where}: name is '{config.name}', expected the folder name '{folder.name}'")
-        rendered[folder.name] = (text, config)
+        if config.name != name:
+            raise RepositoryError(f"{where}: name is '{config.name}', expected '{name}'")
+        rendered[name] = (text, config)
     unused = values.keys() - used
     if unused:
         raise RepositoryError(f"values {sorted(unused)} are used by no template in {templates}")
-    check_ensembles({name: config for name, (_, config) in rendered.items()})
+    check_ensembles({name: config for name, (_, config) in rendered.items()}, decoupled_mode)
     return rendered
 
 
@@ -84,20 +102,27 @@ def _dtype(dtype: int) -> str:
     return DTYPE_NAMES.get(dtype, str(dtype))
 
 
-def check_ensembles(configs: dict[str, mc.ModelConfig]) -> None:
-    """Every ensemble step maps existing tensors of matching types, and the ensemble can answer /infer."""
+def check_ensembles(configs: dict[str, mc.ModelConfig], decoupled_mode: bool = False) -> None:
+    """Every ensemble step maps existing tensors of matching types; the ensemble can answer /infer, or in the
+    decoupled deployment, a step after a decoupled one reads nothing but that step's outputs (Triton refuses
+    inputs "originated from different decoupled models")."""
     for ensemble in (c for c in configs.values() if c.platform == "ensemble"):
         where = f"ensemble '{ensemble.name}'"
         produced = {t.name: t.data_type for t in ensemble.input}
+        origin = dict.fromkeys(produced, "")  # tensor -> the decoupled step it came from ("" none)
         for index, step in enumerate(ensemble.ensemble_scheduling.step):
             model = configs.get(step.model_name)
             at = f"{where} step {index} ({step.model_name})"
             if model is None:
                 raise RepositoryError(f"{at}: no model named '{step.model_name}' in the repository")
-            if model.model_transaction_policy.decoupled:
+            decoupled = model.model_transaction_policy.decoupled
+            if decoupled and not decoupled_mode:
                 raise RepositoryError(
                     f"{at}: the model is decoupled, which would make the ensemble decoupled and refused by HTTP /infer"
                 )
+            sources = {origin.get(tensor, "") for tensor in step.input_map.values()}
+            if len(sources) > 1 and sources - {""}:
+                raise RepositoryError(f"{at}: reads tensors of a decoupled step and others, which Triton refuses")
             if ensemble.max_batch_size > model.max_batch_size:
                 raise RepositoryError(
                     f"{at}: max_batch_size {model.max_batch_size} is below the ensemble's {ensemble.max_batch_size}"
@@ -115,10 +140,12 @@ def check_ensembles(configs: dict[str, mc.ModelConfig]) -> None:
             if missing:
                 raise RepositoryError(f"{at}: required inputs {missing} are not mapped")
             outputs = {t.name: t.data_type for t in model.output}
+            after = model.name if decoupled else next(iter(sources - {""}), "")
             for key, tensor in step.output_map.items():
                 if key not in outputs:
                     raise RepositoryError(f"{at}: output_map key '{key}' is not an output of {model.name}")
                 produced[tensor] = outputs[key]
+                origin[tensor] = after
         for output in ensemble.output:
             if output.name not in produced:
                 raise RepositoryError(f"{where}: output '{output.name}' is produced by no step")
@@ -150,11 +177,12 @@ def write_repository(
     templates: Path = TEMPLATES,
     flavor: str = "portable",
     files: dict[str, str] | None = None,
+    decoupled_mode: bool = False,
 ) -> list[str]:
     """Render, check, then replace `out_dir` in one step, with `files` (path in the repository -> text) added.
     Returns the model names."""
-    rendered = render_configs(values, templates, flavor)
-    folders = model_folders(templates, flavor)
+    rendered = render_configs(values, templates, flavor, decoupled_mode)
+    folders = model_folders(templates, flavor, decoupled_mode)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:

@@ -64,7 +64,9 @@ class Penalties:
 
     @property
     def neutral(self) -> bool:
-        return self == Penalties()
+        """No change to the logits. min_tokens is left out: it bans one token at a request's first steps, which
+        every engine's greedy path does itself (it is 1 by default on NVIDIA's interface, as in TensorRT-LLM)."""
+        return dataclasses.replace(self, min_tokens=0) == Penalties()
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class Emission:
     # seconds per token after it (None when unknown: no or one token).
     time_to_first_token: float | None = None
     time_per_output_token: float | None = None
+    time_to_schedule: float | None = None  # on final emissions: seconds from submission to its first step
     cached_tokens: int = 0  # on final emissions: prompt tokens whose KV cache came from an earlier request
 
     @property

@@ -68,6 +68,7 @@ class _Sequence:
     log_probs: list[TokenLogProbs] = field(default_factory=list)
     sent: int = 0  # tokens already emitted (streaming)
     submitted: float = field(default_factory=time.perf_counter)
+    scheduled: float | None = None  # when it joined the running batch
     first_token: float | None = None
     last_token: float | None = None
     done: bool = False  # finished: the step loop frees its sequence
@@ -109,14 +110,24 @@ class _GreedyBias:
     """The commonest control alone: greedy with a logit bias (OpenAI's logit_bias, a banned end token), in numpy;
     the same choice as RowControls' (a token listed twice gets both values), without its per-row tensor work."""
 
-    def __init__(self, bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
-        ids, values = zip(*bias, strict=True)
+    def __init__(self, request: GenerationRequest, vocab_size: int) -> None:
+        ids, values = zip(*request.embedding_bias, strict=True)
         self.ids, self.values, self.vocab_size = np.array(ids), np.array(values, np.float32), vocab_size
+        self.request = request
 
     def choose(self, row: np.ndarray, generated: list[int]) -> tuple[int, None]:
         scores = row[: self.vocab_size].copy()
         np.add.at(scores, self.ids, self.values)
-        return int(scores.argmax()), None
+        return greedy_token(scores, int(scores.argmax()), self.request, generated), None
+
+
+def greedy_token(scores: np.ndarray, best: int, request: GenerationRequest, generated: list[int]) -> int:
+    """`best`, the argmax of `scores`, unless it is the end id before min_tokens: then the next best."""
+    if best != request.end_id or len(generated) >= request.penalties.min_tokens:
+        return best
+    scores = scores.copy()
+    scores[best] = -np.inf
+    return int(scores.argmax())
 
 
 class LlamaCppEngine(BlockingGenerate):
@@ -210,7 +221,7 @@ class LlamaCppEngine(BlockingGenerate):
         if not request.uses_controls:
             return None
         if not dataclasses.replace(request, embedding_bias=()).uses_controls:
-            return _GreedyBias(request.embedding_bias, self.vocab_size)
+            return _GreedyBias(request, self.vocab_size)
         from tritonllm.engine.row_controls import RowControls  # torch: loaded at the first request with a control
 
         follower = None
@@ -286,6 +297,7 @@ class LlamaCppEngine(BlockingGenerate):
                     break  # in order: a long request is not overtaken for ever by short ones
                 self._waiting.popleft()
                 self._running.append(head)
+                head.scheduled = time.perf_counter()
 
     def _place(self, head: _Sequence) -> bool:
         """Gives `head` a sequence id and its cache room, and the kept cells that share the longest prefix with its
@@ -369,7 +381,7 @@ class LlamaCppEngine(BlockingGenerate):
         now = time.perf_counter()
         for row, sequence in enumerate(outputs):
             if sequence.controls is None:
-                token, log_probs = int(best[row]), None
+                token, log_probs = greedy_token(logits[row], int(best[row]), sequence.request, sequence.tokens), None
             else:
                 token, log_probs = sequence.controls.choose(logits[row], sequence.tokens)
             self._advance(sequence, token, log_probs, now)
@@ -422,6 +434,7 @@ class LlamaCppEngine(BlockingGenerate):
                 log_probs=self._log_probs(sequence, start),
                 time_to_first_token=ttft,
                 time_per_output_token=tpot,
+                time_to_schedule=None if sequence.scheduled is None else sequence.scheduled - sequence.submitted,
                 cached_tokens=sequence.cached,
             )
         )

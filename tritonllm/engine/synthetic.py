@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, Penalties, ends_with
+from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, ends_with
 from tritonllm.errors import InputError
 from tritonllm.options import option
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
@@ -60,6 +60,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)
     sent: int = 0  # tokens already emitted (streaming)
     submitted: float = field(default_factory=time.perf_counter)
+    scheduled: float | None = None  # when it joined the batch
     first_token: float | None = None
 
 
@@ -67,7 +68,7 @@ def check_supported(request: GenerationRequest) -> None:
     """InputError naming the first control the synthetic engine cannot honour."""
     refused = [
         (request.sampling.sample, "temperature", "sampling (temperature, runtime_top_k, runtime_top_p)"),
-        (request.penalties != Penalties(), "repetition_penalty", "penalties and min_tokens"),
+        (not request.penalties.neutral, "repetition_penalty", "penalties"),
         (bool(request.embedding_bias), "embedding_bias", "a bias"),
         (request.log_probs >= 0, "return_log_probs", "log probabilities"),
         (request.guide is not None, "guided_decoding_guide", "guided decoding"),
@@ -148,6 +149,7 @@ class SyntheticEngine(BlockingGenerate):
                 while self._waiting and len(self._batch) < self.config.max_batch_size:
                     request_id = self._waiting.popleft()
                     self._batch[request_id] = self._sequences[request_id]
+                    self._batch[request_id].scheduled = time.perf_counter()
                 for request_id, sequence in list(self._batch.items()):
                     self._advance(request_id, sequence)
 
@@ -155,6 +157,9 @@ class SyntheticEngine(BlockingGenerate):
         request, text = sequence.request, self.config.text_ids
         token = text[sequence.position % len(text)]
         sequence.position += 1
+        if token == request.end_id and len(sequence.tokens) < request.penalties.min_tokens:
+            token = text[sequence.position % len(text)]  # min_tokens: the text's next token instead
+            sequence.position += 1
         if sequence.first_token is None:
             sequence.first_token = time.perf_counter()
         reason = None
@@ -187,4 +192,5 @@ class SyntheticEngine(BlockingGenerate):
             ttft = sequence.first_token - sequence.submitted
             if len(sequence.tokens) > 1:
                 tpot = (time.perf_counter() - sequence.first_token) / (len(sequence.tokens) - 1)
-        sequence.emit(Emission(sequence.tokens[start:], reason, error, None, ttft, tpot))
+        scheduled = None if sequence.scheduled is None else sequence.scheduled - sequence.submitted
+        sequence.emit(Emission(sequence.tokens[start:], reason, error, None, ttft, tpot, scheduled))

@@ -215,6 +215,13 @@ class SamplingRequest(Body):
             raise invalid(guides[1][0], f"cannot be combined with '{guides[0][0]}'")
         return guides[0][1] if guides else None
 
+    def sampled_top_p(self) -> float | None:
+        """`top_p`, or 1.0 (the whole distribution) when a temperature above 0 comes alone: OpenAI samples then,
+        and NVIDIA's interface below, as TensorRT-LLM, decodes a temperature without top_k or top_p greedily."""
+        if self.top_p is None and self.temperature and not (self.top_k and self.top_k > 0):
+            return 1.0
+        return self.top_p
+
     def inputs(self, choice: int, vocab_size: int) -> dict[str, Any]:
         """request_tensors' keyword arguments for choice `choice` (its seed is seed + choice)."""
         log_probs = self.log_probs()
@@ -225,13 +232,13 @@ class SamplingRequest(Body):
             "logit_bias": self.biases(vocab_size),
             "chat": False,
             "temperature": self.temperature,
-            "top_p": self.top_p,
+            "top_p": self.sampled_top_p(),
             "top_k": self.top_k if self.top_k and self.top_k > 0 else None,
             "seed": None if self.seed is None else (self.seed + choice) % 2**64,
             "presence_penalty": self.presence_penalty or None,
             "frequency_penalty": self.frequency_penalty or None,
             "repetition_penalty": self.repetition_penalty,
-            "min_tokens": self.min_tokens or None,
+            "min_tokens": self.min_tokens,  # stated: NVIDIA's interface defaults to 1 (no end id first)
             "end_id": -1 if self.ignore_eos else None,
             "return_log_probs": True if log_probs is not None else None,
             "num_top_log_probs": log_probs or None,

@@ -56,8 +56,8 @@ def check_sampling(temperature, top_k, top_p) -> None:
         raise InputError("temperature", f"must be a finite number >= 0, got {temperature}")
     if top_k is not None and top_k < 0:
         raise InputError("top_k", f"must be >= 0 (0 = no top-k), got {top_k}")
-    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
-        raise InputError("top_p", f"must be in (0, 1], got {top_p}")
+    if top_p is not None and not (math.isfinite(top_p) and 0 <= top_p <= 1):
+        raise InputError("top_p", f"must be in [0, 1] (0 = unset), got {top_p}")
 
 
 def parse_guide(kind: object, guide: object) -> tuple[str, str] | None:

@@ -31,7 +31,7 @@ from tritonllm.errors import ConfigError
 BACKEND = "xgrammar"
 TOKENIZER_INFO_FILE = "xgrammar_tokenizer_info.json"
 # Where the file goes in the rendered model repository: the tensorrt_llm model's version folder.
-TOKENIZER_INFO_IN_REPOSITORY = f"tensorrt_llm/1/{TOKENIZER_INFO_FILE}"
+TOKENIZER_INFO_IN_REPOSITORY = f"tensorrt_llm/1/{TOKENIZER_INFO_FILE}"  # in the templates' layout
 
 
 class GuidedDecodingError(ConfigError):
@@ -72,13 +72,13 @@ def tokenizer_info_json(tokenizer_dir: Path, vocab_size: int) -> str:
     return json.dumps(tokenizer_info(tokenizer, vocab_size), ensure_ascii=False)
 
 
-def guided_decoding_values(repository: Path) -> dict[str, str]:
-    """Template values of the TensorRT-LLM flavor's `tensorrt_llm` config that turn guided decoding on.
+def guided_decoding_values(engine_folder: Path) -> dict[str, str]:
+    """Template values of the TensorRT-LLM flavor's engine config that turn guided decoding on.
 
-    `repository` is where the rendered model repository will be; the C++ backend opens the file by
-    this absolute path (the container mounts the project at the same path).
+    `engine_folder` is where the engine's model will be in the rendered repository; the C++ backend opens the file
+    by this absolute path (the container mounts the project at the same path).
     """
     return {
         "guided_decoding_backend": BACKEND,
-        "xgrammar_tokenizer_info_path": str(repository.resolve() / TOKENIZER_INFO_IN_REPOSITORY),
+        "xgrammar_tokenizer_info_path": str(engine_folder.resolve() / "1" / TOKENIZER_INFO_FILE),
     }

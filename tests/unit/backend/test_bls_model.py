@@ -175,11 +175,11 @@ def test_a_stopped_request_still_gets_the_kv_cache_counts_of_the_engines_last_re
     whole = model._run_engine(asked, StopsAtOnce(), bls_model._Request(pb_utils.ResponseSender()), streaming=True)
     engine_request, stop = pb_utils.bls_requests
     assert set(KV_CACHE_OUTPUTS) <= set(engine_request.requested_output_names) and stop.input("stop") is not None
-    assert {name: int(value.item()) for name, value in whole.kv_cache.items()} == dict(
+    assert {name: int(value.item()) for name, value in whole.perf.items()} == dict(
         zip(KV_CACHE_OUTPUTS, (2, 5, 7), strict=True)
     )
     pb_utils.bls_requests.clear()
     unasked = model._run_engine(
         {"_INPUT_ID": asked["_INPUT_ID"]}, StopsAtOnce(), bls_model._Request(pb_utils.ResponseSender()), streaming=True
     )
-    assert not set(KV_CACHE_OUTPUTS) & set(pb_utils.bls_requests[0].requested_output_names) and unasked.kv_cache == {}
+    assert not set(KV_CACHE_OUTPUTS) & set(pb_utils.bls_requests[0].requested_output_names) and unasked.perf == {}

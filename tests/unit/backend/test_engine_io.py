@@ -71,11 +71,14 @@ def test_parse_errors(given, field):
     [
         (None, None, None, False),
         (0.0, None, None, False),
-        (0.7, None, None, True),
+        (0.7, None, None, False),  # a temperature alone is greedy, as in TensorRT-LLM (top_k 0, top_p 0)
+        (0.7, None, 1.0, True),  # top_p 1: the whole distribution, at that temperature
+        (0.7, None, 0.0, False),  # runtime_top_p 0 is unset
         (0.7, 1, None, False),  # top_k 1 is greedy whatever the temperature
+        (0.0, 40, None, False),  # temperature 0 is greedy whatever the cut
         (None, 40, None, True),
         (None, None, 0.9, True),
-        (None, None, 1.0, False),
+        (None, None, 1.0, True),
         (None, 0, None, False),
     ],
 )
@@ -87,7 +90,7 @@ def test_sampling_switch(temperature, top_k, top_p, sample):
 
 
 def test_unseeded_sampling_gets_a_random_seed():
-    assert sampling_params(0.5, None, None, None).seed != sampling_params(0.5, None, None, None).seed
+    assert sampling_params(0.5, None, 1.0, None).seed != sampling_params(0.5, None, 1.0, None).seed
 
 
 def test_pack_outputs_pads_and_counts():

@@ -18,7 +18,14 @@ import pytest
 from tests.unit.backend import fake_pb_utils
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, GenerationRequest
 from tritonllm.errors import ErrorKind, InputError
-from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, KV_CACHE_OUTPUTS
+from tritonllm.protocol import (
+    FINISH_CANCELLED,
+    FINISH_EOS,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    KV_CACHE_OUTPUTS,
+    PERF_OUTPUTS,
+)
 from tritonllm.text.tokenization import Limits
 
 
@@ -452,20 +459,42 @@ def kv_cache(pb_utils, response) -> list:
 PERF = {"return_perf_metrics": np.array([[True]])}
 
 
-def test_a_stream_asking_for_perf_metrics_gets_its_kv_cache_counts_in_the_final_response(model, pb_utils):
+def perf(pb_utils, response, name: str) -> list:
+    return pb_utils.get_output_tensor_by_name(response, name).as_numpy().reshape(-1).tolist()
+
+
+def test_a_stream_asking_for_perf_metrics_gets_them_in_every_response(model, pb_utils):
+    """As TensorRT-LLM's executor, which sets requestPerfMetrics on each result of such a request: all ten outputs,
+    the counts and times so far; at the end, the engine's own times and the cells taken from the prefix cache."""
     stream = request(pb_utils, [1, 2, 3, 4], **PERF, **STREAMING)
     model.execute([stream])
     model.engine.emit("e0", Emission([5]))
-    model.engine.emit("e0", Emission([6, 7], FINISH_LENGTH, cached_tokens=3))
+    model.engine.emit("e0", Emission([6, 7], FINISH_LENGTH, time_to_first_token=0.5, cached_tokens=3))
     first, (last, _) = stream.sender.sent[0][0], stream.sender.sent[-1]
-    assert pb_utils.get_output_tensor_by_name(first, "kv_cache_reused_blocks") is None, "only at the end"
+    for response in (first, last):
+        assert {t.name() for t in response.output_tensors()} >= set(PERF_OUTPUTS)
+        assert perf(pb_utils, response, "acceptance_rate") == [0.0]
+        assert perf(pb_utils, response, "total_draft_tokens") == perf(pb_utils, response, "total_accepted_draft_tokens")
+        assert perf(pb_utils, response, "total_draft_tokens") == [0]
+    arrival = perf(pb_utils, first, "arrival_time_ns")[0]
+    first_token, last_token = (
+        perf(pb_utils, first, "first_token_time_ns")[0],
+        perf(pb_utils, first, "last_token_time_ns")[0],
+    )
+    assert 0 < arrival <= first_token <= last_token
+    assert perf(pb_utils, last, "arrival_time_ns") == [arrival]
+    # The engine's first token came 0.5 s after the request was handed to it.
+    assert perf(pb_utils, last, "first_token_time_ns")[0] - arrival == pytest.approx(0.5e9, abs=0.1e9)
+    assert perf(pb_utils, last, "first_scheduled_time_ns") == [0], "an engine that does not say when: 0, unset"
     # 4 prompt cells (3 of them an earlier request's) and one per generated token but the last: 4 + 2.
     assert kv_cache(pb_utils, last) == [(3, 3, 6)]
     ended = request(pb_utils, [1, 2], **PERF, **STREAMING)
     model.execute([ended])
-    model.engine.emit("e1", Emission([], FINISH_EOS))
+    model.engine.emit("e1", Emission([], FINISH_EOS, time_to_schedule=0.01))
     [(response, flags)] = ended.sender.sent
     assert flags == FINAL and kv_cache(pb_utils, response) == [(2, 0, 2)], "a final response without tokens too"
+    assert perf(pb_utils, response, "first_token_time_ns") == [0], "no token: no time"
+    assert perf(pb_utils, response, "first_scheduled_time_ns")[0] > 0
 
 
 def test_a_batched_request_gets_each_rows_kv_cache_counts_and_none_unasked(model, pb_utils):

@@ -1,5 +1,6 @@
 """Rendering model_repository/ templates: a broken repository is refused, naming the model and field."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -39,6 +40,7 @@ PLAN = BuildPlan(
     engine_values={"engine_instance_kind": "KIND_CPU"},
 )
 VALUES = PLAN.template_values()
+DECOUPLED_VALUES = dataclasses.replace(PLAN, decoupled_mode=True).template_values()
 
 
 def engine_json(plan: BuildPlan) -> dict[str, str]:
@@ -64,15 +66,15 @@ def test_renders_every_model_with_derived_values():
     assert set(configs) == {
         "preprocessing",
         "tensorrt_llm",
-        "tensorrt_llm_bridge",
+        "tensorrt_llm_decoupled",
         "postprocessing",
         "ensemble",
         "tensorrt_llm_bls",
     }
     assert all(c.max_batch_size == 8 for c in configs.values())
-    assert configs["tensorrt_llm"].model_transaction_policy.decoupled
-    assert not configs["tensorrt_llm_bridge"].model_transaction_policy.decoupled
-    assert set(configs["tensorrt_llm"].parameters) == {
+    assert configs["tensorrt_llm_decoupled"].model_transaction_policy.decoupled
+    assert not configs["tensorrt_llm"].model_transaction_policy.decoupled, "HTTP /infer and ModelInfer reach it"
+    assert set(configs["tensorrt_llm_decoupled"].parameters) == {
         "max_input_len",
         "max_seq_len",
         "vocab_size",
@@ -80,12 +82,43 @@ def test_renders_every_model_with_derived_values():
         "exclude_input_in_output",
     }, "the engine's options live in engine.json only"
     assert configs["preprocessing"].parameters["max_input_len"].string_value == "96"
+    for streaming in ("tensorrt_llm", "tensorrt_llm_bls"):
+        assert configs[streaming].parameters["engine_model_name"].string_value == "tensorrt_llm_decoupled"
 
 
-def test_bridge_and_engine_share_their_tensors():
+def test_the_engines_face_and_the_engine_share_their_tensors():
     configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
-    assert list(configs["tensorrt_llm"].input) == list(configs["tensorrt_llm_bridge"].input)
-    assert list(configs["tensorrt_llm"].output) == list(configs["tensorrt_llm_bridge"].output)
+    assert list(configs["tensorrt_llm"].input) == list(configs["tensorrt_llm_decoupled"].input)
+    assert list(configs["tensorrt_llm"].output) == list(configs["tensorrt_llm_decoupled"].output)
+
+
+def test_the_decoupled_deployment_is_nvidias():
+    """NVIDIA's decoupled_mode true: tensorrt_llm is the engine; the ensemble, decoupled, maps `streaming` from
+    `stream`, and its postprocessing step reads only the engine's outputs; tensorrt_llm_bls streams from it."""
+    configs = {name: config for name, (_, config) in render_configs(DECOUPLED_VALUES, decoupled_mode=True).items()}
+    assert set(configs) == {"preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls"}
+    assert configs["tensorrt_llm"].model_transaction_policy.decoupled
+    assert configs["tensorrt_llm_bls"].parameters["engine_model_name"].string_value == "tensorrt_llm"
+    preprocess, engine, postprocess = configs["ensemble"].ensemble_scheduling.step
+    assert engine.model_name == "tensorrt_llm" and engine.input_map["streaming"] == "stream"
+    assert "STREAM" not in preprocess.input_map
+    assert set(postprocess.input_map.values()) <= set(engine.output_map.values())
+    assert list(configs["ensemble"].input) == list(configs["tensorrt_llm_bls"].input)
+    default = {name: config for name, (_, config) in render_configs(VALUES).items()}
+    assert [t.name for t in configs["ensemble"].output] == [
+        t.name for t in default["ensemble"].output if t.name != "finish_reason"
+    ], "no finish_reason: postprocessing cannot read max_tokens there"
+
+
+def test_a_decoupled_step_mixed_with_other_tensors_is_refused(templates):
+    edit(
+        templates / "_modes" / "decoupled" / "ensemble" / "config.pbtxt",
+        'input_map { key: "SEQUENCE_LENGTH" value: "_SEQUENCE_LENGTH" }',
+        'input_map { key: "SEQUENCE_LENGTH" value: "_SEQUENCE_LENGTH" }\n'
+        '      input_map { key: "STOP_WORDS" value: "stop_words" }',
+    )
+    with pytest.raises(RepositoryError, match="reads tensors of a decoupled step and others"):
+        render_configs(DECOUPLED_VALUES, templates, decoupled_mode=True)
 
 
 def test_streaming_model_has_the_ensembles_tensors():
@@ -121,7 +154,7 @@ def test_write_repository(tmp_path):
             "data_type: TYPE_TEXT",
             r"postprocessing/config.pbtxt: not a valid Triton model config",
         ),
-        ("postprocessing", 'name: "postprocessing"', 'name: "postproc"', "expected the folder name"),
+        ("postprocessing", 'name: "postprocessing"', 'name: "postproc"', "expected 'postprocessing'"),
         (
             "ensemble",
             'value: "_TOKENS_BATCH"',
@@ -135,10 +168,10 @@ def test_write_repository(tmp_path):
             "",
             r"required inputs \['REQUEST_OUTPUT_LEN'\]",
         ),
-        ("ensemble", 'model_name: "tensorrt_llm_bridge"', 'model_name: "tensorrt_llm"', "decoupled"),
+        ("ensemble", 'model_name: "tensorrt_llm"', 'model_name: "tensorrt_llm_decoupled"', "decoupled"),
         ("ensemble", 'model_name: "postprocessing"', 'model_name: "detokenizer"', "no model named 'detokenizer'"),
         (
-            "_shared/text_io.pbtxt",
+            "_shared/text_inputs.pbtxt",
             '{ name: "top_k" data_type: TYPE_INT32',
             '{ name: "top_k" data_type: TYPE_FP32',
             "'TOP_K' is TYPE_INT32 but 'top_k' is TYPE_FP32",
@@ -321,7 +354,8 @@ def test_the_build_writes_the_engine_config_once_as_engine_json(manifest, tmp_pa
     """engine.json is what EngineConfig(**json) loads in the engine model; the manifest embeds the same."""
     argv = ["--model", manifest["model_dir"], "--build-dir", str(tmp_path), "--no-fused-norms", "--cpu-niceness", "3"]
     assert main(argv) == 0
-    written = json.loads((tmp_path / "model_repository" / "tensorrt_llm" / "1" / ENGINE_CONFIG_FILE).read_text())
+    engine = tmp_path / "model_repository" / "tensorrt_llm_decoupled"
+    written = json.loads((engine / "1" / ENGINE_CONFIG_FILE).read_text())
     config = EngineConfig(**written)
     assert config == config.resolve(), "written resolved: the engine model has nothing left to decide"
     assert (config.fused_norms, config.cpu_niceness, config.device) == (False, 3, "cpu")
@@ -339,7 +373,7 @@ def test_a_build_rendered_from_other_templates_is_stale(tmp_path):
     shutil.copytree(TEMPLATES, templates, ignore=shutil.ignore_patterns("__pycache__"))
     manifest = {"templates": templates_digest(templates)}
     assert templates_digest(templates) == templates_digest(TEMPLATES) and stale_build(manifest, templates) is None
-    config = templates / "_shared" / "text_io.pbtxt"
+    config = templates / "_shared" / "text_inputs.pbtxt"
     config.write_text(config.read_text().replace("return_perf_metrics", "return_more_metrics"))
     assert "other model templates" in stale_build(manifest, templates)
     assert stale_build({}, TEMPLATES) is not None, "a build from before the manifest recorded them"

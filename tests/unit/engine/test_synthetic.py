@@ -103,7 +103,8 @@ def test_the_build_writes_the_synthetic_engine_with_the_portable_models(manifest
     )
     assert code == 0
     repository = tmp_path / "model_repository"
-    config = json.loads((repository / "tensorrt_llm" / "1" / SYNTHETIC_CONFIG_FILE).read_text())
+    engine = repository / "tensorrt_llm_decoupled" / "1"  # the engine's model in the default deployment
+    config = json.loads((engine / SYNTHETIC_CONFIG_FILE).read_text())
     assert config["step_ms"] == 2.5 and len(config["text_ids"]) > 100
-    assert (repository / "tensorrt_llm" / "1" / "model.py").is_file()
+    assert (engine / "model.py").is_file()
     assert json.loads((tmp_path / "manifest.json").read_text())["engine"] == "synthetic"

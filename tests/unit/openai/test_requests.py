@@ -35,6 +35,7 @@ def test_defaults_send_only_what_usage_and_streaming_need():
     inputs = chat().inputs(0, VOCAB)
     assert {k: v for k, v in inputs.items() if v not in (None, [], {})} == {
         "chat": False,
+        "min_tokens": 0,  # stated, against NVIDIA's interface's default of 1
         "return_num_input_tokens": True,
         "return_num_output_tokens": True,
         "return_perf_metrics": True,
@@ -45,11 +46,22 @@ def test_defaults_send_only_what_usage_and_streaming_need():
         "text_input",
         "max_tokens",
         "apply_chat_template",
+        "min_tokens",
         "return_num_input_tokens",
         "return_num_output_tokens",
         "return_perf_metrics",
         "stream",
     ]
+
+
+def test_a_temperature_alone_samples_the_whole_distribution():
+    """OpenAI samples at any temperature above 0; NVIDIA's interface below decodes a temperature alone greedily,
+    as TensorRT-LLM, so the layer states top_p 1.0 then, and nothing when top_p or top_k is given or it is greedy."""
+    assert chat(temperature=0.7).inputs(0, VOCAB)["top_p"] == 1.0
+    assert chat(temperature=0.7, top_p=0.5).inputs(0, VOCAB)["top_p"] == 0.5
+    assert chat(temperature=0.7, top_k=40).inputs(0, VOCAB)["top_p"] is None
+    assert chat(temperature=0.0).inputs(0, VOCAB)["top_p"] is None
+    assert chat().inputs(0, VOCAB)["top_p"] is None
 
 
 def test_every_control_becomes_its_tensor():

@@ -81,8 +81,11 @@ def test_a_tokenizer_larger_than_the_engines_vocabulary_is_refused(tokenizer):
 
 
 def test_values_point_inside_the_rendered_repository(tmp_path):
-    values = guided_decoding_values(tmp_path / "model_repository")
+    values = guided_decoding_values(tmp_path / "model_repository" / "tensorrt_llm_decoupled")
     assert values == {
         "guided_decoding_backend": "xgrammar",
-        "xgrammar_tokenizer_info_path": str(tmp_path.resolve() / "model_repository" / TOKENIZER_INFO_IN_REPOSITORY),
+        "xgrammar_tokenizer_info_path": str(
+            tmp_path.resolve() / "model_repository" / "tensorrt_llm_decoupled" / "1" / "xgrammar_tokenizer_info.json"
+        ),
     }
+    assert TOKENIZER_INFO_IN_REPOSITORY == "tensorrt_llm/1/xgrammar_tokenizer_info.json"  # the templates' layout

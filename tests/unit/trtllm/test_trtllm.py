@@ -29,7 +29,7 @@ from tritonllm.launch.tritonserver import (
     RESTRICTED_APIS,
     server_command,
 )
-from tritonllm.protocol import PORTS
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
 from tritonllm.trtllm import docker
 from tritonllm.trtllm.engine_build import TrtllmApi, TrtllmBuildError, TrtllmBuildOptions, build_engine
 from tritonllm.trtllm.engine_dir import EngineError, check_version, read_engine
@@ -84,7 +84,7 @@ def tokenizer_dir(manifest) -> Path:
 
 
 def args(**overrides) -> argparse.Namespace:
-    base = {"max_batch_size": 0, "kv_cache_free_gpu_mem_fraction": 0.85}
+    base = {"max_batch_size": 0, "kv_cache_free_gpu_mem_fraction": 0.85, "decoupled_mode": False}
     base.update(overrides)
     return argparse.Namespace(**base)
 
@@ -156,13 +156,16 @@ def test_dockerfile_pins_the_same_release():
 # ---------------------------------------------------------------- rendering
 
 
+ENGINE = DECOUPLED_ENGINE_MODEL  # the engine's model in the default deployment
+
+
 def trtllm_values(engine_dir: Path, tokenizer_dir: Path, **overrides) -> dict[str, str]:
     return plan_trtllm(tokenizer_dir, engine_dir, args(**overrides)).template_values()
 
 
 def test_rendered_trtllm_repository(engine_dir, tokenizer_dir, tmp_path):
     configs = {n: c for n, (_, c) in render_configs(trtllm_values(engine_dir, tokenizer_dir), flavor="trtllm").items()}
-    engine = configs["tensorrt_llm"]
+    engine = configs[ENGINE]
     assert engine.backend == "tensorrtllm"
     assert engine.model_transaction_policy.decoupled
     params = {k: v.string_value for k, v in engine.parameters.items()}
@@ -177,8 +180,8 @@ def test_rendered_trtllm_repository(engine_dir, tokenizer_dir, tmp_path):
     assert configs["preprocessing"].parameters["max_seq_len"].string_value == "4096"
     out = tmp_path / "repo"
     write_repository(trtllm_values(engine_dir, tokenizer_dir), out, flavor="trtllm")
-    assert not (out / "tensorrt_llm" / "1" / "model.py").exists(), "the C++ backend needs no model.py"
-    assert (out / "tensorrt_llm" / "1").is_dir()
+    assert not (out / ENGINE / "1" / "model.py").exists(), "the C++ backend needs no model.py"
+    assert (out / ENGINE / "1").is_dir()
 
 
 # Parameters NVIDIA's C++ tensorrtllm backend (TensorRT-LLM 1.2.1) reads with no fallback: ModelState::GetParameter
@@ -197,7 +200,7 @@ UNGUARDED_TRTLLM_PARAMETERS = (
 
 def test_rendered_trtllm_config_has_every_parameter_the_backend_requires(engine_dir, tokenizer_dir):
     configs = render_configs(trtllm_values(engine_dir, tokenizer_dir), flavor="trtllm")
-    params = configs["tensorrt_llm"][1].parameters
+    params = configs[ENGINE][1].parameters
     assert [p for p in UNGUARDED_TRTLLM_PARAMETERS if p not in params] == []
 
 
@@ -205,12 +208,12 @@ def test_rendered_trtllm_config_turns_guided_decoding_on(engine_dir, tokenizer_d
     """What getGuidedDecodingConfigFromParams needs: backend "xgrammar" and an existing tokenizer-info file."""
     build_dir = tmp_path / "build"
     values = trtllm_values(engine_dir, tokenizer_dir, build_dir=build_dir)
-    config = render_configs(values, flavor="trtllm")["tensorrt_llm"][1]
+    config = render_configs(values, flavor="trtllm")[ENGINE][1]
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["guided_decoding_backend"] == "xgrammar"  # the only backend the C++ runtime takes
     path = Path(params["xgrammar_tokenizer_info_path"])
     assert path.is_absolute(), "the backend opens it relative to tritonserver's working folder otherwise"
-    assert path == (build_dir / "model_repository" / "tensorrt_llm" / "1" / "xgrammar_tokenizer_info.json").resolve()
+    assert path == (build_dir / "model_repository" / ENGINE / "1" / "xgrammar_tokenizer_info.json").resolve()
     assert params["tokenizer_dir"] == "", "read but ignored by the C++ backend; set, it only logs that it is ignored"
     assert params["normalize_log_probs"] == "true"
 
@@ -219,7 +222,7 @@ def test_the_build_writes_the_tokenizer_info_where_the_config_points(engine_dir,
     build_dir = tmp_path / "build"
     options = ["--engine-dir", str(engine_dir), "--model", str(tokenizer_dir), "--build-dir", str(build_dir)]
     assert builder_main(["--engine", "trtllm", *options]) == 0
-    config = read_config(build_dir / "model_repository" / "tensorrt_llm" / "config.pbtxt")
+    config = read_config(build_dir / "model_repository" / ENGINE / "config.pbtxt")
     path = Path(config.parameters["xgrammar_tokenizer_info_path"].string_value)
     assert path.is_file()
     info = json.loads(path.read_text())
@@ -242,9 +245,9 @@ def test_client_facing_io_is_identical_in_both_flavors(engine_dir, tokenizer_dir
     # tensorrt_llm: the shared tensors (_shared/tensorrt_llm_io.pbtxt); the portable engine's additions
     # (_shared/portable_engine_io.pbtxt, e.g. top log probs) are not declared by the C++ backend's model.
     additions = portable_only_tensors()
-    assert list(trt["tensorrt_llm"].input) == [t for t in portable["tensorrt_llm"].input if t.name not in additions]
-    assert list(trt["tensorrt_llm"].output) == [t for t in portable["tensorrt_llm"].output if t.name not in additions]
-    assert not additions & {t.name for t in [*trt["tensorrt_llm"].input, *trt["tensorrt_llm"].output]}
+    assert list(trt[ENGINE].input) == [t for t in portable[ENGINE].input if t.name not in additions]
+    assert list(trt[ENGINE].output) == [t for t in portable[ENGINE].output if t.name not in additions]
+    assert not additions & {t.name for t in [*trt[ENGINE].input, *trt[ENGINE].output]}
 
 
 def portable_only_tensors() -> set[str]:
