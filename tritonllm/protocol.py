@@ -49,6 +49,7 @@ DEFAULT_MIN_TOKENS = 1
 
 MAX_BIASED_TOKENS = 1024  # embedding_bias_words, and logit_bias_token_ids, per request
 MAX_TOP_LOG_PROBS = 20  # most likely tokens returned per position (OpenAI's top_logprobs limit)
+MAX_RETURN_SEQUENCES = 16  # num_return_sequences per prompt, as the OpenAI layer's n
 # TensorRT-LLM's guided decoding types (its `guided_decoding_guide_type` values), which both engines take.
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
 

@@ -207,6 +207,12 @@ class StreamingModel:
             streaming = bool(scalar(arrays, "stream", 0))
             if (scalar(arrays, "beam_width", 0) or 1) != 1:
                 raise InputError("beam_width", "tensorrt_llm_bls answers one beam: call ensemble for beam search")
+            if (scalar(arrays, "num_return_sequences", 0) or 1) != 1:
+                raise InputError(
+                    "num_return_sequences",
+                    "tensorrt_llm_bls streams one sequence per request: send one request per sequence (with seeds "
+                    "of their own), or call ensemble in the decoupled deployment (--decoupled-mode)",
+                )
             state.log_probs = log_probs_wanted(arrays, 0)
             tensors = dict(arrays)
             tensors.update(self._preprocess(arrays))

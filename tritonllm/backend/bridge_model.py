@@ -35,9 +35,10 @@ from tritonllm.backend.triton_glue import (
 from tritonllm.errors import InputError
 from tritonllm.text.tokenization import scalar
 
-STREAMING_REFUSED = (
-    "tensorrt_llm answers once in this deployment (NVIDIA's decoupled_mode false): stream through tensorrt_llm_bls, "
-    "or build with --decoupled-mode (make build BUILD_ARGS=--decoupled-mode), where tensorrt_llm and ensemble stream"
+# What NVIDIA's decoupled_mode false deployment cannot answer in one response, and how to get it here.
+DECOUPLED_ONLY = (
+    "tensorrt_llm and ensemble answer once in this deployment (NVIDIA's decoupled_mode false): build with "
+    "--decoupled-mode (make build BUILD_ARGS=--decoupled-mode), where they stream over gRPC, a response per sequence"
 )
 
 
@@ -60,7 +61,10 @@ class BridgeModel:
             try:
                 arrays = input_arrays(request, ENGINE_PARAMETER_INPUTS)
                 if scalar(arrays, "streaming", 0):
-                    raise InputError("streaming", STREAMING_REFUSED)
+                    raise InputError("streaming", f"{DECOUPLED_ONLY}; or stream text through tensorrt_llm_bls")
+                for row in range(arrays["input_ids"].shape[0] if "input_ids" in arrays else 1):
+                    if (scalar(arrays, "num_return_sequences", row) or 1) > 1:
+                        raise InputError("num_return_sequences", f"more than 1: {DECOUPLED_ONLY}")
                 wanted = requested_outputs(request)
                 rows = self._rows(arrays)
                 asked = sorted(wanted) if wanted else ["output_ids", "sequence_length"]

@@ -14,6 +14,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from tritonllm.errors import InputError
 from tritonllm.protocol import (
     DEFAULT_MIN_TOKENS,
     KV_CACHE_OUTPUTS,
+    MAX_RETURN_SEQUENCES,
     MAX_TOP_LOG_PROBS,
     MAX_WORD_SEQUENCES,
     PERF_OUTPUTS,
@@ -55,13 +57,20 @@ def _batch_size(arrays: dict[str, np.ndarray]) -> int:
     return arrays["input_ids"].shape[0] if arrays["input_ids"].ndim > 1 else 1
 
 
-def parse_requests(arrays: dict[str, np.ndarray], limits: Limits) -> list[GenerationRequest]:
-    """One GenerationRequest per batch row of a `tensorrt_llm` request."""
+class IndexedRequest(NamedTuple):
+    """An engine request of a `tensorrt_llm` request: its batch row and, of num_return_sequences, which one."""
+
+    request: GenerationRequest
+    batch_index: int
+    sequence_index: int
+
+
+def parse_requests(arrays: dict[str, np.ndarray], limits: Limits) -> list[IndexedRequest]:
+    """The engine requests of a `tensorrt_llm` request: num_return_sequences (1 unless given) per batch row,
+    each sampled one with the row's seed plus its index, so the sequences differ as TensorRT-LLM's do."""
     batch = _batch_size(arrays)
     ids = arrays["input_ids"].reshape(batch, -1)
     streaming = bool(scalar(arrays, "streaming", 0))
-    if streaming and batch > 1:
-        raise InputError("streaming", f"streams one sequence per request, got a batch of {batch}")
     requests = []
     for row in range(batch):
         length = scalar(arrays, "input_lengths", row)
@@ -82,27 +91,39 @@ def parse_requests(arrays: dict[str, np.ndarray], limits: Limits) -> list[Genera
                 "request_output_len", f"must be between 1 and {room} for an input of {length} tokens, got {output_len}"
             )
         end_id = scalar(arrays, "end_id", row)
-        requests.append(
-            GenerationRequest(
-                input_ids=prompt,
-                max_new_tokens=int(output_len),
-                end_id=-1 if end_id is None else int(end_id),
-                sampling=sampling_params(
-                    scalar(arrays, "temperature", row),
-                    scalar(arrays, "runtime_top_k", row),
-                    scalar(arrays, "runtime_top_p", row),
-                    scalar(arrays, "seed", row),
-                ),
-                stop_words=_row_words(arrays, "stop_words_list", row, limits),
-                bad_words=_row_words(arrays, "bad_words_list", row, limits),
-                streaming=streaming,
-                penalties=penalties(arrays, row),
-                embedding_bias=_embedding_bias(arrays, row, limits),
-                log_probs=log_probs_wanted(arrays, row),
-                guide=guide(arrays, row),
-            )
+        request = GenerationRequest(
+            input_ids=prompt,
+            max_new_tokens=int(output_len),
+            end_id=-1 if end_id is None else int(end_id),
+            sampling=sampling_params(
+                scalar(arrays, "temperature", row),
+                scalar(arrays, "runtime_top_k", row),
+                scalar(arrays, "runtime_top_p", row),
+                scalar(arrays, "seed", row),
+            ),
+            stop_words=_row_words(arrays, "stop_words_list", row, limits),
+            bad_words=_row_words(arrays, "bad_words_list", row, limits),
+            streaming=streaming,
+            penalties=penalties(arrays, row),
+            embedding_bias=_embedding_bias(arrays, row, limits),
+            log_probs=log_probs_wanted(arrays, row),
+            guide=guide(arrays, row),
         )
+        for index in range(return_sequences(arrays, row)):
+            seed = (request.sampling.seed + index) % 2**64
+            sampling = dataclasses.replace(request.sampling, seed=seed) if request.sampling.sample else request.sampling
+            requests.append(IndexedRequest(dataclasses.replace(request, sampling=sampling), row, index))
     return requests
+
+
+def return_sequences(arrays: dict[str, np.ndarray], row: int) -> int:
+    """num_return_sequences: 1 when absent (TensorRT-LLM's default), at most MAX_RETURN_SEQUENCES."""
+    count = scalar(arrays, "num_return_sequences", row)
+    if count is None:
+        return 1
+    if not 1 <= count <= MAX_RETURN_SEQUENCES:
+        raise InputError("num_return_sequences", f"must be between 1 and {MAX_RETURN_SEQUENCES}, got {count}")
+    return int(count)
 
 
 def penalties(arrays: dict[str, np.ndarray], row: int) -> Penalties:

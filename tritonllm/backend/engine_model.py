@@ -3,10 +3,11 @@
 `execute` parses each request, hands it to the engine and returns at once; the engine's router
 thread reports tokens, and an `Outbox` thread turns them into responses (merging a stream's tokens
 that queued up while it was busy), so neither generation nor request intake ever waits on the
-server's IPC. Like the TensorRT-LLM backend, a non-streaming
-request gets one response holding all its tokens; a streaming one gets a response per new
-tokens; both end with a COMPLETE_FINAL flag. A request ended early (TensorRT-LLM's `stop`
-request, or a cancelled client) ends the same way, with the tokens generated until then.
+server's IPC. Like the TensorRT-LLM backend, each generation of a request (a batch row, or one of
+its num_return_sequences) gets one response holding all its tokens, or when streaming a response
+per new tokens, with its batch_index and sequence_index; the last response of the request carries
+the COMPLETE_FINAL flag. A request ended early (TensorRT-LLM's `stop` request, or a cancelled
+client) ends the same way, with the tokens generated until then.
 """
 
 from __future__ import annotations
@@ -53,28 +54,37 @@ from tritonllm.text.tokenization import Limits, scalar
 CANCEL_CHECK_SECONDS = 0.2  # and the period of the load gauges
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
-    """One Triton request: one or more engine requests (one per batch row) and its response sender."""
+    """One Triton request: its generations (engine requests), its response sender and what it asked for."""
 
     sender: object
     request_id: str  # the client's request id ("" when none), the key of `stop` requests
-    requests: list[GenerationRequest]
+    generations: list[_Generation]
     exclude_input: bool
     pad_id: int
     counts: tuple[bool, bool]  # return_num_input_tokens, return_num_output_tokens
     perf: bool  # return_perf_metrics: the KV cache block counts and the request's times (perf_outputs)
     wanted: set[str] | None  # the outputs the request asked for (triton_glue.requested_outputs)
     arrival: float = field(default_factory=time.perf_counter)  # the steady clock, as TensorRT-LLM's times
-    engine_ids: list[str] = field(default_factory=list)
-    submitted: dict[int, float] = field(default_factory=dict)  # per row, when handed to the engine
-    times: dict[int, RowTimes] = field(default_factory=dict)  # per row, its scheduling and token times
-    tokens: dict[int, list[int]] = field(default_factory=dict)  # finished rows
-    log_probs: dict[int, list] = field(default_factory=dict)  # finished rows' TokenLogProbs, when asked
-    cum_log_prob: float = 0.0  # a stream's, so far
-    generated: dict[int, int] = field(default_factory=dict)  # tokens generated per row, for the metrics
-    cached: dict[int, int] = field(default_factory=dict)  # finished rows' prompt tokens taken from the prefix cache
+    open: int = 0  # generations not yet answered in full: the response that answers the last is FINAL
     closed: bool = False
+
+
+@dataclass(eq=False)
+class _Generation:
+    """One engine request of a call, answered with responses of its own (the outbox's key)."""
+
+    call: _Call
+    request: GenerationRequest
+    batch_index: int
+    sequence_index: int
+    engine_id: str = ""
+    submitted: float = 0.0  # when handed to the engine
+    generated: int = 0  # tokens so far
+    cached: int = 0  # prompt tokens the prefix cache served, known at the end
+    cum_log_prob: float = 0.0  # a stream's, so far
+    times: RowTimes | None = None
 
 
 def load_engine(folder: Path, device: str) -> tuple[BlockingGenerate, str]:
@@ -133,10 +143,9 @@ class EngineModel:
                 if scalar(arrays, "stop", 0):
                     self._stop(request.request_id(), sender)
                     continue
-                rows = parse_requests(arrays, self.limits)
-                self._admit(len(rows))
+                generations = parse_requests(arrays, self.limits)
+                self._admit(len(generations))
                 pad = arrays.get("pad_id")
-                pad_id = int(pad.flat[0]) if pad is not None else 0
                 counts = (
                     bool(scalar(arrays, "return_num_input_tokens", 0)),
                     bool(scalar(arrays, "return_num_output_tokens", 0)),
@@ -144,13 +153,15 @@ class EngineModel:
                 call = _Call(
                     sender,
                     request.request_id(),
-                    rows,
+                    [],
                     exclude_input(arrays, self.exclude_input),
-                    pad_id,
+                    int(pad.flat[0]) if pad is not None else 0,
                     counts,
                     bool(scalar(arrays, "return_perf_metrics", 0)),
                     requested_outputs(request),
                 )
+                call.generations = [_Generation(call, g.request, g.batch_index, g.sequence_index) for g in generations]
+                call.open = len(call.generations)
             except Exception as exc:
                 kind = "server_busy" if isinstance(exc, ServerBusy) else "invalid_input"
                 self._finished.put(("error", kind))
@@ -158,19 +169,20 @@ class EngineModel:
                 continue
             self._live[id(call)] = call
             try:
-                for row, generation in enumerate(rows):
-                    call.submitted[row] = time.perf_counter()
-                    call.engine_ids.append(
-                        self.engine.submit(generation, lambda e, c=call, r=row: self._on_emission(c, r, e))
+                for generation in call.generations:
+                    generation.submitted = time.perf_counter()
+                    generation.engine_id = self.engine.submit(
+                        generation.request, lambda e, g=generation: self._on_emission(g, e)
                     )
             except Exception as exc:  # this request fails alone; the rest of the batch still goes in
                 self._refused(call, exc)
         return None
 
     def _refused(self, call: _Call, exc: Exception) -> None:
-        """A row the engine did not take: the rows it took are cancelled, and the request ends once, with `exc`.
+        """A generation the engine did not take: those it took are cancelled, and the request ends once, with `exc`.
 
-        Nothing was sent for the call before: a stream has one row, and a batch is answered when all rows end.
+        Nothing was sent for the call before: the engine's emissions come from its own thread, after this one's
+        submits, and a cancelled call sends nothing more.
         """
         self._close(call)
         self._finished.put(("error", "invalid_input" if isinstance(exc, ValueError) else "generation_failed"))
@@ -193,26 +205,19 @@ class EngineModel:
             return
         for call in list(self._live.values()):
             if call.request_id == request_id:
-                for engine_id in call.engine_ids:
-                    self.engine.cancel(engine_id)
+                self._cancel(call)
         sender.send(flags=FINAL)
 
-    def _on_emission(self, call: _Call, row: int, emission: Emission) -> None:
+    def _on_emission(self, generation: _Generation, emission: Emission) -> None:
         """From the engine's thread: queue what to send, never block."""
-        request = call.requests[row]
-        call.generated[row] = call.generated.get(row, 0) + len(emission.token_ids)
-        if call.perf:
-            call.times[row] = RowTimes.after(call.times.get(row), call.submitted[row], emission, call.generated[row])
+        generation.generated += len(emission.token_ids)
+        if generation.call.perf:
+            generation.times = RowTimes.after(generation.times, generation.submitted, emission, generation.generated)
         if emission.final:
-            call.cached[row] = emission.cached_tokens
-            self._finished.put(("finish", emission, len(request.input_ids), call.generated[row]))
-        if emission.error or request.streaming:
-            self._outbox.put(call, emission)
-        elif emission.final:
-            call.tokens[row] = ([] if call.exclude_input else request.input_ids) + emission.token_ids
-            call.log_probs[row] = emission.log_probs or []
-            if len(call.tokens) == len(call.requests):
-                self._outbox.put(call, emission)
+            generation.cached = emission.cached_tokens
+            self._finished.put(("finish", emission, len(generation.request.input_ids), generation.generated))
+        if emission.error or generation.request.streaming or emission.final:
+            self._outbox.put(generation, emission)
 
     def _tick(self) -> None:
         self._check_cancelled()
@@ -230,74 +235,74 @@ class EngineModel:
             self.metrics.finish(emission, input_tokens, output_tokens)
         self.metrics.load(self.engine.running(), self.engine.in_batch(), self.engine.captured_graphs())
 
-    def _send(self, call: _Call, emission: Emission) -> None:
-        """On the outbox's thread: a streaming request's new tokens, or a whole request's answer."""
+    def _send(self, generation: _Generation, emission: Emission) -> None:
+        """On the outbox's thread: a stream's new tokens, or a generation's whole answer."""
+        call = generation.call
         if call.closed:
             return
         if emission.error:
             self._close(call)
             call.sender.send(error_response(EngineFailure(f"generation failed: {emission.error}")), flags=FINAL)
             return
-        streaming = call.requests[0].streaming
-        final = emission.final and (streaming or len(call.tokens) == len(call.requests))
+        if emission.final:
+            call.open -= 1
+        final = call.open == 0
         if final:
             self._close(call)
-        if streaming:
-            outputs = self._stream_outputs(call, emission) if emission.token_ids or final else None
-        else:
-            outputs = self._outputs(call, [call.tokens[r] for r in range(len(call.requests))], call.log_probs)
+        outputs = self._outputs(generation, emission)
         if outputs is None:
             call.sender.send(flags=FINAL)
         else:
-            call.sender.send(
-                pb_utils.InferenceResponse(output_tensors=to_tensors(outputs, call.wanted)), flags=FINAL if final else 0
-            )
+            response = pb_utils.InferenceResponse(output_tensors=to_tensors(outputs, call.wanted))
+            call.sender.send(response, flags=FINAL if final else 0)
 
-    def _stream_outputs(self, call: _Call, emission: Emission) -> dict | None:
-        """A stream's new tokens; the final response also carries the token counts asked for. None: nothing to send."""
-        outputs = self._outputs(call, [emission.token_ids], {0: emission.log_probs or []}, emission.final)
-        if "cum_log_probs" in outputs:  # TensorRT-LLM's is the sum so far
-            call.cum_log_prob += float(outputs["cum_log_probs"].sum())
-            outputs["cum_log_probs"][:] = call.cum_log_prob
-        if not emission.token_ids and not (emission.final and (any(call.counts) or call.perf)):
+    def _outputs(self, generation: _Generation, emission: Emission) -> dict | None:
+        """A response's tensors: the generation's tokens (with the prompt, when asked, in a whole answer), and the
+        log probs, token counts, perf metrics and indices it asked for. None: nothing to send (a stream's end
+        without tokens and without counts)."""
+        call, request = generation.call, generation.request
+        streaming = request.streaming
+        if streaming and not emission.token_ids and not (emission.final and (any(call.counts) or call.perf)):
             return None
-        return outputs
-
-    def _outputs(self, call: _Call, sequences: list[list[int]], log_probs: dict, final: bool = True) -> dict:
-        """The tensors of a response: ids and lengths, and the log probs and token counts the request asked for."""
-        wanted = call.requests[0].log_probs
-        rows = [log_probs.get(r) for r in range(len(sequences))] if wanted >= 0 else None
-        outputs = pack_outputs(sequences, call.pad_id, rows, top=max(wanted, 0))
-        if final and call.counts[0]:
-            outputs["num_input_tokens"] = np.array([[len(r.input_ids)] for r in call.requests], dtype=np.int32)
-        if final and call.counts[1]:
-            outputs["num_output_tokens"] = np.array(
-                [[call.generated.get(r, 0)] for r in range(len(call.requests))], dtype=np.int32
-            )
+        tokens = emission.token_ids if streaming or call.exclude_input else request.input_ids + emission.token_ids
+        wanted = request.log_probs
+        log_probs = [emission.log_probs or []] if wanted >= 0 else None
+        outputs = pack_outputs([tokens], call.pad_id, log_probs, top=max(wanted, 0))
+        if "cum_log_probs" in outputs and streaming:  # TensorRT-LLM's is the sum so far
+            generation.cum_log_prob += float(outputs["cum_log_probs"].sum())
+            outputs["cum_log_probs"][:] = generation.cum_log_prob
+        if call.counts[0]:
+            outputs["num_input_tokens"] = np.array([[len(request.input_ids)]], dtype=np.int32)
+        if call.counts[1]:  # as TensorRT-LLM, the output ids of this response: the prompt too when they hold it
+            outputs["num_output_tokens"] = np.array([[len(tokens)]], dtype=np.int32)
         if call.perf:  # on every response, as TensorRT-LLM's executor: the counts and times so far
-            rows = range(len(call.requests))
             outputs.update(
                 perf_outputs(
-                    [len(r.input_ids) for r in call.requests],
-                    [call.generated.get(r, 0) for r in rows],
-                    [call.cached.get(r, 0) for r in rows],
+                    [len(request.input_ids)],
+                    [generation.generated],
+                    [generation.cached],
                     call.arrival,
-                    [call.times.get(r) for r in rows],
+                    [generation.times],
                 )
             )
+        outputs["batch_index"] = np.array([[generation.batch_index]], dtype=np.int32)
+        outputs["sequence_index"] = np.array([[generation.sequence_index]], dtype=np.int32)
         return outputs
 
     def _close(self, call: _Call) -> None:
         call.closed = True
         self._live.pop(id(call), None)
-        for engine_id in call.engine_ids:
-            self.engine.cancel(engine_id)  # no-op for finished requests; frees the others' batch slots
+        self._cancel(call)  # no-op for finished generations; frees the others' batch slots
+
+    def _cancel(self, call: _Call) -> None:
+        for generation in call.generations:
+            if generation.engine_id:
+                self.engine.cancel(generation.engine_id)
 
     def _check_cancelled(self) -> None:
         for call in list(self._live.values()):
             if call.sender.is_cancelled():
-                for engine_id in call.engine_ids:
-                    self.engine.cancel(engine_id)
+                self._cancel(call)
 
     def finalize(self) -> None:
         self.engine.shutdown()

@@ -22,7 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tritonllm.errors import ErrorKind
 from tritonllm.openai import tools as tooling
-from tritonllm.protocol import MAX_BIASED_TOKENS, MAX_TOP_LOG_PROBS, MAX_WORD_BYTES, MAX_WORDS, STREAMING_MODEL
+from tritonllm.protocol import (
+    MAX_BIASED_TOKENS,
+    MAX_RETURN_SEQUENCES,
+    MAX_TOP_LOG_PROBS,
+    MAX_WORD_BYTES,
+    MAX_WORDS,
+    STREAMING_MODEL,
+)
 
 FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop"}
 MAX_STOPS = min(4, MAX_WORDS)  # OpenAI's limit, within what the models take
@@ -118,7 +125,7 @@ class SamplingRequest(Body):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=16)
+    n: int = Field(default=1, ge=1, le=MAX_RETURN_SEQUENCES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-PENALTY_RANGE, le=PENALTY_RANGE)

@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from tritonllm.backend.engine_io import pack_outputs, parse_requests, sampling_params
+from tritonllm.backend.engine_io import pack_outputs, sampling_params
+from tritonllm.backend.engine_io import parse_requests as parse_indexed
+
+
+def parse_requests(given, limits) -> list:
+    """The engine requests alone, in order."""
+    return [indexed.request for indexed in parse_indexed(given, limits)]
 from tritonllm.errors import InputError
 from tritonllm.protocol import MAX_WORD_SEQUENCES
 from tritonllm.text.tokenization import Limits, word_list
@@ -26,6 +32,19 @@ def test_parse_defaults_are_greedy():
     [req] = parse_requests(arrays([1, 2, 3]), LIMITS)
     assert req.input_ids == [1, 2, 3] and req.max_new_tokens == 4
     assert req.end_id == -1 and not req.sampling.sample and not req.streaming
+    assert req.penalties.min_tokens == 1, "TensorRT-LLM's default minimum length: no end id first"
+    assert req.penalties.neutral, "min_tokens changes no logits: the engines' greedy paths honour it"
+
+
+def test_num_return_sequences_are_engine_requests_with_their_indices_and_seeds():
+    given = arrays([[1, 2], [3, 4]], num_return_sequences=np.array([3, 1], np.int32))
+    given.update(runtime_top_p=np.array([0.9, 0.9], np.float32), seed=np.array([7, 7], np.uint64))
+    indexed = parse_indexed(given, LIMITS)
+    assert [(i.batch_index, i.sequence_index) for i in indexed] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert [i.request.sampling.seed for i in indexed] == [7, 8, 9, 7]
+    assert [i.request.input_ids for i in indexed] == [[1, 2]] * 3 + [[3, 4]]
+    with pytest.raises(InputError, match="num_return_sequences"):
+        parse_indexed(arrays([1, 2], num_return_sequences=np.array([0], np.int32)), LIMITS)
 
 
 def test_parse_batch_with_lengths_and_words():
@@ -52,7 +71,6 @@ def test_parse_batch_with_lengths_and_words():
         (arrays([1, 2], output_len=15), "request_output_len"),  # 2 + 15 > 16
         (arrays([1, 200]), "input_ids"),  # outside the vocabulary
         (arrays([1, 2], input_lengths=np.array([5], np.int32)), "input_lengths"),
-        (arrays([[1, 2], [3, 4]], streaming=np.array([True, True])), "streaming"),
         (arrays([1, 2], temperature=np.array([-1.0], np.float32)), "temperature"),
         (arrays([1, 2], bad_words_list=word_list([(i,) for i in range(MAX_WORD_SEQUENCES + 1)])), "bad_words_list"),
         (arrays([1, 2], bad_words_list=word_list([(5, 100)])), "bad_words_list"),  # outside the vocabulary

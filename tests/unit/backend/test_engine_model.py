@@ -334,8 +334,9 @@ def test_a_stop_request_ends_the_running_request_with_its_id(model, pb_utils):
     model.execute([stop])
     assert set(model.engine.cancels) == {"e0", "e1"}
     assert stop.sender.sent == [(None, FINAL)]
-    [(response, flags)] = stopped.sender.sent
-    assert flags == FINAL and not response.has_error()
+    # The engine ended both rows: a response for each, the last one FINAL.
+    assert [flags for _, flags in stopped.sender.sent] == [0, FINAL]
+    assert not any(response.has_error() for response, _ in stopped.sender.sent)
     assert other.sender.sent == [] and model.engine.running() == 1 and "e2" in model.engine.taken
 
 
@@ -400,15 +401,33 @@ def test_a_non_streaming_request_can_ask_for_its_input_in_the_output(model, pb_u
     assert flags == FINAL and output_ids(pb_utils, response) == [[[1, 2, 5]]]
 
 
-def test_a_batched_request_is_answered_once_when_all_its_rows_end(model, pb_utils):
+def test_a_batched_request_gets_a_response_per_row_the_last_final(model, pb_utils):
+    """As TensorRT-LLM's backend in decoupled mode: each row answered when it ends, with its batch_index."""
     call = request(pb_utils, [1, 2], [3, 4], pad_id=np.array([[9]], dtype=np.int32))
     model.execute([call])
     model.engine.emit("e1", Emission([5, 6], FINISH_LENGTH))
-    assert call.sender.sent == [], "one row ended: nothing yet"
+    [(first, flags)] = call.sender.sent
+    assert flags == 0 and output_ids(pb_utils, first) == [[[5, 6]]]
+    assert pb_utils.get_output_tensor_by_name(first, "batch_index").as_numpy().tolist() == [[1]]
     model.engine.emit("e0", Emission([7], FINISH_EOS))
-    [(response, flags)] = call.sender.sent
-    assert flags == FINAL and output_ids(pb_utils, response) == [[[7, 9]], [[5, 6]]]
-    assert pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().tolist() == [[1], [2]]
+    (last, flags) = call.sender.sent[-1]
+    assert flags == FINAL and output_ids(pb_utils, last) == [[[7]]]
+    assert pb_utils.get_output_tensor_by_name(last, "batch_index").as_numpy().tolist() == [[0]]
+    assert pb_utils.get_output_tensor_by_name(last, "sequence_length").as_numpy().tolist() == [[1]]
+
+
+def test_num_return_sequences_answer_a_response_per_sequence(model, pb_utils):
+    call = request(pb_utils, [1, 2], num_return_sequences=np.array([[2]], np.int32), **STREAMING)
+    model.execute([call])
+    model.engine.emit("e1", Emission([5]))
+    model.engine.emit("e0", Emission([6], FINISH_LENGTH))
+    model.engine.emit("e1", Emission([], FINISH_LENGTH))
+    indices = [
+        int(pb_utils.get_output_tensor_by_name(r, "sequence_index").as_numpy()[0, 0])
+        for r, _ in call.sender.sent
+        if r is not None
+    ]
+    assert indices == [1, 0] and call.sender.sent[-1][1] == FINAL
 
 
 def test_a_streaming_request_gets_a_response_per_emission_and_the_final_flag_on_the_last(model, pb_utils):
@@ -502,8 +521,7 @@ def test_a_batched_request_gets_each_rows_kv_cache_counts_and_none_unasked(model
     model.execute([call])
     model.engine.emit("e0", Emission([5, 6, 7], FINISH_LENGTH, cached_tokens=1))
     model.engine.emit("e1", Emission([8], FINISH_EOS))
-    [(response, _)] = call.sender.sent
-    assert kv_cache(pb_utils, response) == [(3, 1, 4), (2, 0, 2)]
+    assert [kv_cache(pb_utils, response) for response, _ in call.sender.sent] == [[(3, 1, 4)], [(2, 0, 2)]]
     plain = request(pb_utils, [1, 2])
     model.execute([plain])
     model.engine.emit("e2", Emission([5], FINISH_EOS, cached_tokens=1))
