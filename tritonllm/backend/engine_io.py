@@ -71,6 +71,13 @@ def parse_requests(arrays: dict[str, np.ndarray], limits: Limits) -> list[Indexe
     batch = _batch_size(arrays)
     ids = arrays["input_ids"].reshape(batch, -1)
     streaming = bool(scalar(arrays, "streaming", 0))
+    decoder = arrays.get("decoder_input_ids")
+    if decoder is not None and decoder.reshape(batch, -1).shape[1] > 1:
+        raise InputError(
+            "decoder_input_ids",
+            "is an encoder-decoder model's decoder prompt; this engine runs decoder-only models, and takes only "
+            "the one-token placeholder NVIDIA's preprocessing sends for them",
+        )
     requests = []
     for row in range(batch):
         length = scalar(arrays, "input_lengths", row)

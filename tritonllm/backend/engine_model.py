@@ -285,8 +285,11 @@ class EngineModel:
                     [generation.times],
                 )
             )
-        outputs["batch_index"] = np.array([[generation.batch_index]], dtype=np.int32)
-        outputs["sequence_index"] = np.array([[generation.sequence_index]], dtype=np.int32)
+        # As TensorRT-LLM's backend: each index only where there is more than one.
+        if any(g.batch_index for g in call.generations):
+            outputs["batch_index"] = np.array([[generation.batch_index]], dtype=np.int32)
+        if any(g.sequence_index for g in call.generations):
+            outputs["sequence_index"] = np.array([[generation.sequence_index]], dtype=np.int32)
         return outputs
 
     def _close(self, call: _Call) -> None:

@@ -299,6 +299,10 @@ class Preprocessor:
             "REQUEST_OUTPUT_LEN": _column(output_lens),
             "OUT_END_ID": _column(end_ids),
             "OUT_PAD_ID": _column(pad_ids),
+            # An encoder-decoder model's decoder prompt; for a decoder-only one, NVIDIA's preprocessing answers a
+            # placeholder of one pad token, which its end_to_end_test.py passes on to tensorrt_llm.
+            "DECODER_INPUT_ID": _column(pad_ids),
+            "REQUEST_DECODER_INPUT_LEN": _column([1] * len(prompts)),
             "STOP_WORDS_IDS": _stack_word_lists(stops),
             "BAD_WORDS_IDS": _stack_word_lists(bads),
             "EMBEDDING_BIAS": _stack_biases(biases, limits.vocab_size),

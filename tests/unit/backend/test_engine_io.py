@@ -7,14 +7,16 @@ from tritonllm.backend.engine_io import pack_outputs, sampling_params
 from tritonllm.backend.engine_io import parse_requests as parse_indexed
 
 
-def parse_requests(given, limits) -> list:
-    """The engine requests alone, in order."""
-    return [indexed.request for indexed in parse_indexed(given, limits)]
 from tritonllm.errors import InputError
 from tritonllm.protocol import MAX_WORD_SEQUENCES
 from tritonllm.text.tokenization import Limits, word_list
 
 LIMITS = Limits(max_input_len=8, max_seq_len=16, vocab_size=100)
+
+
+def parse_requests(given, limits) -> list:
+    """The engine requests alone, in order."""
+    return [indexed.request for indexed in parse_indexed(given, limits)]
 
 
 def arrays(ids, output_len=4, **extra):
