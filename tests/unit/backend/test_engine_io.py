@@ -5,8 +5,6 @@ import pytest
 
 from tritonllm.backend.engine_io import pack_outputs, sampling_params
 from tritonllm.backend.engine_io import parse_requests as parse_indexed
-
-
 from tritonllm.errors import InputError
 from tritonllm.protocol import MAX_WORD_SEQUENCES
 from tritonllm.text.tokenization import Limits, word_list
