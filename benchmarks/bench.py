@@ -1,7 +1,7 @@
 """`make bench`: where serving costs time, as ratios measured in one run on one machine.
 
-1. pipeline overhead: `ensemble` (text in, text out) against the engine alone (`tensorrt_llm_bridge`
-   with the token ids the ensemble's preprocessing makes), throughput and p50 latency;
+1. pipeline overhead: `ensemble` (text in, text out) against the engine alone (`tensorrt_llm`, its request/response
+   face, with the token ids the ensemble's preprocessing makes), throughput and p50 latency;
 2. serving overhead: output tokens/s through Triton against transformers' continuous batching
    in-process, same model, prompts, lengths and concurrency;
 3. in-flight batching: output tokens/s at concurrency 16 against concurrency 1;
@@ -27,6 +27,7 @@ from pathlib import Path
 from benchmarks.loadgen import LevelResult, Targets, load_prompts, run_level, span, summarize
 from tritonllm.engine.cpu_threads import on_fresh_thread
 from tritonllm.launch.tritonserver import metric_samples, metric_value
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL
 
 ROUNDS = 3  # alternations of each served measurement with its in-process baseline
 # First-text pairs: each short streamed request's wait against the engine's own time to first token for the same
@@ -224,7 +225,7 @@ class EngineClock:
     """The engine's own time to first token (submission to the first generated token, measured inside the
     engine) of each request, for requests sent one at a time: the change of its TTFT histogram's sum."""
 
-    def __init__(self, metrics: Callable[[], str], model: str = "tensorrt_llm") -> None:
+    def __init__(self, metrics: Callable[[], str], model: str = DECOUPLED_ENGINE_MODEL) -> None:
         self.metrics, self.model = metrics, model
         self.sum, self.count = self._read()
 
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         grpc_url = f"{server.host}:{server.grpc_port}"
         make = lambda: Targets(grpc_url, server.http_url, prompts, args.max_tokens, tokenizer, CONTROLS)  # noqa: E731
-        steps = ["preprocessing", "postprocessing", "tensorrt_llm_bridge", "tensorrt_llm"]
+        steps = ["preprocessing", "postprocessing", ENGINE_MODEL, DECOUPLED_ENGINE_MODEL]
         before = step_times(server.http_url, steps)
         rounds = [("engine", 1), ("ensemble", 1)] * 3
         overhead = asyncio.run(serve_levels(make, rounds, args.requests))

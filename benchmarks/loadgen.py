@@ -10,7 +10,7 @@ Targets:
 - `sse`: `tensorrt_llm_bls` over HTTP generate_stream (server-sent events);
 - `openai_chat`: the OpenAI layer's streamed /v1/chat/completions;
 - `ensemble`: text in, text out over HTTP /infer; `ensemble_grpc`: the same over gRPC;
-- `engine`: the engine alone (`tensorrt_llm_bridge`) over HTTP /infer, with the token ids the
+- `engine`: the engine alone (`tensorrt_llm`, its request/response face) over HTTP /infer, with the token ids the
   ensemble's preprocessing would produce: the baseline for the ensemble's overhead;
 - `engine_stream` / `engine_whole`: the engine model itself (`tensorrt_llm`) over gRPC streaming, a
   response per token or one per request, with the same token ids.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tritonllm.protocol import infer_inputs
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL, infer_inputs
 
 PROMPTS = Path(__file__).resolve().parent / "prompts.json"
 
@@ -150,11 +150,13 @@ class Targets:
         openai: tuple[str, str] | None = None,
         openai_body: dict | None = None,
         keep_alive: bool = True,
+        engine_model: str = DECOUPLED_ENGINE_MODEL,
     ):
         """`token_ids`: chat_token_ids(tokenizer, prompts) when already made; `openai`: (base URL, model name);
         `openai_body`: fields added to every OpenAI request's body; `keep_alive` false: each OpenAI or
         server-sent-event request on a connection of its own (llama-server drops a connection after a streamed
-        response without saying so, and the next request on it fails)."""
+        response without saying so, and the next request on it fails); `engine_model`: the build's decoupled
+        engine model (manifest's engine_model), which the engine targets stream from."""
         import tritonclient.grpc.aio as grpcaio
         import tritonclient.http.aio as httpaio
 
@@ -163,6 +165,7 @@ class Targets:
         self.http_url, self.openai, self.connections = http_url, openai, connections
         self.openai_body = dict(openai_body or {})
         self.keep_alive = keep_alive
+        self.engine_model = engine_model
         self._session = None  # an aiohttp session for the server-sent-event targets, made on first use
         self.prompts = list(prompts)
         self.max_tokens = max_tokens
@@ -363,7 +366,7 @@ class Targets:
         inputs = infer_inputs(grpcclient, [*self._token_tensors(i), ("streaming", np.array([[streaming]]), "BOOL")])
 
         async def requests():
-            yield {"model_name": "tensorrt_llm", "inputs": inputs, "request_id": uuid.uuid4().hex}
+            yield {"model_name": self.engine_model, "inputs": inputs, "request_id": uuid.uuid4().hex}
 
         start = time.perf_counter()
         first, tokens, responses, error = None, 0, 0, None
@@ -383,7 +386,7 @@ class Targets:
 
         start = time.perf_counter()
         try:
-            result = await self.http.infer("tensorrt_llm_bridge", infer_inputs(httpclient, self._token_tensors(i)))
+            result = await self.http.infer(ENGINE_MODEL, infer_inputs(httpclient, self._token_tensors(i)))
         except Exception as exc:
             return Record(start, time.perf_counter(), None, 0, str(exc))
         return Record(start, time.perf_counter(), None, int(result.as_numpy("sequence_length").reshape(-1)[0]))

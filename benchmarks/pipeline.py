@@ -2,12 +2,12 @@
 
 The repository is built with the synthetic benchmark engine (tritonllm/engine/synthetic.py: a fixed passage at
 --step-ms per step for up to the top level's sequences at once, a few microseconds of CPU per token), so that what
-runs out first is the pipeline: preprocessing, postprocessing, the bridge, tensorrt_llm_bls, the OpenAI layer and
-Triton between them. At each concurrency level every entry point runs closed-loop for --seconds, right after the
-engine model alone at the same load (`tensorrt_llm` fed the same token ids: streamed for the streaming entry
-points, one response per request for `ensemble`), so each figure has its baseline from the same minute:
+runs out first is the pipeline: preprocessing, postprocessing, tensorrt_llm (the engine's face), tensorrt_llm_bls, the
+OpenAI layer and Triton between them. At each concurrency level every entry point runs closed-loop for --seconds, right
+after the engine model alone at the same load (`tensorrt_llm_decoupled` fed the same token ids: streamed for the
+streaming entry points, one response per request for `ensemble`), so each figure has its baseline from the same minute:
 
-  engine_stream  tensorrt_llm, gRPC streaming          engine_whole   tensorrt_llm, one response per request
+  engine_stream  the engine, gRPC streaming            engine_whole   the engine, one response per request
   bls_grpc       tensorrt_llm_bls, gRPC streaming      ensemble_http  ensemble, HTTP /infer
   bls_sse        tensorrt_llm_bls, HTTP SSE            ensemble_grpc  ensemble, gRPC
   openai_chat    the OpenAI layer, streamed chat

@@ -7,6 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL, STREAMING_MODEL
+
 
 def stub_pids() -> list[tuple[str, str]]:
     """(model, pid) of every Python-backend stub process on this machine, and ("engine_process", pid) of the
@@ -46,7 +48,11 @@ def profiled(out: Path | None, label: str, seconds: int, pids: list[tuple[str, s
         return
     out.mkdir(parents=True, exist_ok=True)
     if pids is None:
-        pids = [(m, pid) for m, pid in stub_pids() if m in ("tensorrt_llm", "tensorrt_llm_bls", "engine_process")]
+        pids = [
+            (m, pid)
+            for m, pid in stub_pids()
+            if m in (ENGINE_MODEL, DECOUPLED_ENGINE_MODEL, STREAMING_MODEL, "engine_process")
+        ]
     spies = []
     for name, pid in pids:
         maps = Path(f"/proc/{pid}/maps").read_text().splitlines()

@@ -103,7 +103,7 @@ def test_engine_tokens_equal_generate(url, tokenizer, hf_model):
         tensor.set_data_from_numpy(value)
         inputs.append(tensor)
     with httpclient.InferenceServerClient(url) as triton:
-        result = triton.infer("tensorrt_llm_bridge", inputs)
+        result = triton.infer("tensorrt_llm", inputs)
     length = int(result.as_numpy("sequence_length")[0, 0])
     tokens = result.as_numpy("output_ids")[0, 0, :length].tolist()
     reference = hf_model.generate(
@@ -136,7 +136,7 @@ def test_the_engine_leaves_the_end_id_out_of_its_output(url, tokenizer):
         _tensor("end_id", np.array([[tokenizer.eos_token_id]], np.int32), "INT32"),
     ]
     with httpclient.InferenceServerClient(url) as triton:
-        result = triton.infer("tensorrt_llm_bridge", inputs)
+        result = triton.infer("tensorrt_llm", inputs)
     length = int(result.as_numpy("sequence_length")[0, 0])
     assert 0 < length < 64
     assert tokenizer.eos_token_id not in result.as_numpy("output_ids")[0, 0, :length].tolist()
@@ -334,7 +334,7 @@ def test_metrics_add_up_after_traffic(server, url, manifest):
             _tensor("request_output_len", np.array([[4]], np.int32), "INT32"),
         ]
         with pytest.raises(Exception, match="input_ids"):
-            triton.infer("tensorrt_llm_bridge", bad)
+            triton.infer("tensorrt_llm", bad)
     time.sleep(0.6)  # the engine flushes its metrics every 0.2 s
     after = scrape(server)
     delta = {

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tritonllm.errors import TritonLLMError
-from tritonllm.protocol import ENGINE_MODEL, PORTS, infer_inputs, stop_request_tensors
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL, PORTS, infer_inputs, stop_request_tensors
 
 # In NVIDIA's images; there the server listens on the default ports (PORTS), which `docker run` publishes.
 CONTAINER_BINARY = "/opt/tritonserver/bin/tritonserver"
@@ -243,12 +243,13 @@ def server_command(
     exit_timeout: int | None = None,
     backend_dir: Path | None = None,
     world_size: int = 1,
-    engine_model: str = ENGINE_MODEL,
+    engine_model: str = DECOUPLED_ENGINE_MODEL,
 ) -> list[str]:
     """The tritonserver command line every launcher runs: the repository, addresses and ports, the options
     the build recorded, the restricted administrative APIs, and for a multi-GPU TensorRT-LLM engine one
     server per rank under MPI (the tensorrtllm backend's leader mode: each rank gets its own Python-backend
-    shared-memory prefix, and ranks other than 0 load only the engine model)."""
+    shared-memory prefix, and ranks other than 0 load only the engine model: the manifest's engine_model,
+    tensorrt_llm_decoupled by default, tensorrt_llm in the decoupled deployment)."""
     args = [
         str(binary),
         f"--model-repository={repository}",
@@ -296,7 +297,9 @@ def is_loopback(host: str) -> bool:
 
 def probe_engine(grpc_url: str, engine_model: str = ENGINE_MODEL, timeout: float = 10.0) -> str | None:
     """None if the engine answers; else why not. The probe is TensorRT-LLM's `stop` request for an
-    id no request has, which both engines answer at once without generating."""
+    id no request has, which both engines answer at once without generating; sent to tensorrt_llm, it
+    reaches the engine in either deployment (by default through its request/response face, which
+    forwards it)."""
     import queue
 
     import tritonclient.grpc as grpcclient
