@@ -68,7 +68,10 @@ trtllm-image: $(VENV)/.installed
 	docker build --target trtllm -t $$($(PY) -m tritonllm.trtllm.docker image) \
 		--build-arg TRITON_TAG=$$($(PY) -m tritonllm.versions TRITON_TAG) .
 
+# The integration tests also serve NVIDIA's decoupled deployment of the same model (tests/conftest.py).
 test: build
+	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR)/decoupled $(if $(MODEL),--model "$(MODEL)") \
+		$(TRTLLM_ARGS) $(BUILD_ARGS) --decoupled-mode
 	TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q
 
 unit: build

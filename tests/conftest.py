@@ -54,14 +54,30 @@ def hf_model(manifest):
     return model.eval()
 
 
+# NVIDIA's decoupled deployment of the same model, which `make test` renders beside the default build.
+DECOUPLED_BUILD = BUILD / "decoupled"
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """One tritonserver for the integration tests, on the repository `make build` rendered."""
+    _manifest()
+    yield from _served(BUILD, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def decoupled_server(tmp_path_factory):
+    """A tritonserver on the decoupled deployment (build_engines.py --decoupled-mode), for the tests of one module."""
+    if not (DECOUPLED_BUILD / "manifest.json").is_file():
+        pytest.fail(f"needs the decoupled build: {DECOUPLED_BUILD}/manifest.json is missing (make test renders it)")
+    yield from _served(DECOUPLED_BUILD, tmp_path_factory)
+
+
+def _served(build: Path, tmp_path_factory):
     from tritonllm.launch.tritonserver import TritonServer
 
-    _manifest()
     log = tmp_path_factory.mktemp("triton") / "server.log"
-    triton = TritonServer.on_free_ports(BUILD, log_file=log)
+    triton = TritonServer.on_free_ports(build, log_file=log)
     try:
         triton.start(timeout=600)
     except Exception:

@@ -13,26 +13,28 @@ become, the gRPC calls made and the outputs read), not copied from them:
 
 Each option below carries the script's default, so `EndToEnd(prompt)` and `InflightBatcher(tokenizer_dir)`
 are the scripts' default command lines. Options the scripts have for features this server does not
-serve (LoRA, prompt tables, draft tokens, context/generation logits, perf metrics, lookahead, batched
-inputs, stop-after-ms) are not modelled.
+serve (LoRA, prompt tables, draft tokens, context/generation logits, lookahead) and stop-after-ms are not
+modelled; the scripts themselves, run unchanged against both deployments, are in docs/api.md.
 """
 
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from tritonllm.protocol import PERF_OUTPUTS
+
 
 class ScriptFailure(RuntimeError):
     """Where the script itself would stop with a traceback or `sys.exit`; says why."""
 
 
-def _tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
+def grpc_input(name: str, array: np.ndarray) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
     tensor.set_data_from_numpy(array)
     return tensor
@@ -80,10 +82,16 @@ class EndToEnd:
     num_return_sequences: int | None = None  # -n
     overwrite_output_text: bool = False  # --overwrite-output-text
     request_id: str = ""  # --request-id
+    return_perf_metrics: bool = False  # --return-perf-metrics
+    batch_inputs: list[str] | None = None  # -p with a JSON list and --batch-inputs: these prompts as one batch
 
 
 def end_to_end_inputs(options: EndToEnd) -> dict[str, np.ndarray]:
-    """The tensors the script sends for one prompt: every one [1, 1], except the word lists [1, n]."""
+    """The tensors the script sends for one prompt: every one [1, 1], except the word lists [1, n]; with
+    --batch-inputs, each prompt's tensors stacked along the batch."""
+    if options.batch_inputs:
+        rows = [end_to_end_inputs(replace(options, prompt=p, batch_inputs=None)) for p in options.batch_inputs]
+        return {name: np.concatenate([row[name] for row in rows]) for name in rows[0]}
     inputs = {
         "text_input": np.array([[options.prompt]]).astype(object),
         "max_tokens": np.full((1, 1), options.output_len, dtype=np.int32),
@@ -102,6 +110,8 @@ def end_to_end_inputs(options: EndToEnd) -> dict[str, np.ndarray]:
             inputs[name] = np.array([[getattr(options, name)]], dtype=np.float32)
     if options.return_log_probs:
         inputs["return_log_probs"] = np.array([[True]], dtype=bool)
+    if options.return_perf_metrics:
+        inputs["return_perf_metrics"] = np.array([[True]], dtype=bool)
     if bool(options.embedding_bias_words) != bool(options.embedding_bias_weights):
         raise ScriptFailure("Both embedding bias words and weights must be specified")
     if options.embedding_bias_words:
@@ -129,12 +139,16 @@ def end_to_end_outputs(options: EndToEnd) -> list[str]:
         names += ["cum_log_probs", "output_log_probs"]
     if options.num_return_sequences is not None and options.num_return_sequences > 1:
         names.append("sequence_index")
+    if options.batch_inputs:
+        names.append("batch_index")
+    if options.return_perf_metrics:
+        names += list(PERF_OUTPUTS)
     return names
 
 
 @dataclass
 class EndToEndResult:
-    texts: list[str]  # one per generation (beam or returned sequence), "" where nothing came
+    texts: list[str]  # one per generation (beam or returned sequence), "" where nothing came; per batch row, in order
     errors: list[InferenceServerException]  # the script prints these ("Received an error from server") and goes on
     responses: list  # the InferResult objects, in arrival order
 
@@ -153,10 +167,10 @@ def _text(output: np.ndarray) -> str:
 
 def run_end_to_end(url: str, options: EndToEnd) -> EndToEndResult:
     """Send one prompt as the script does, and read the responses as it does (`run_inference`)."""
-    inputs = [_tensor(name, array) for name, array in end_to_end_inputs(options).items()]
+    inputs = [grpc_input(name, array) for name, array in end_to_end_inputs(options).items()]
     outputs = [grpcclient.InferRequestedOutput(name) for name in end_to_end_outputs(options)]
     generations = options.beam_width if options.num_return_sequences is None else options.num_return_sequences
-    texts = [""] * generations
+    texts = [""] * generations * len(options.batch_inputs or [options.prompt])
     responses: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(url) as client:
         client.start_stream(callback=partial(_collect, responses))
@@ -168,11 +182,13 @@ def run_end_to_end(url: str, options: EndToEnd) -> EndToEndResult:
     for result in results:
         seq_index = result.as_numpy("sequence_index")
         seq_index = 0 if seq_index is None else int(seq_index[0][0])
+        batch_index = result.as_numpy("batch_index")
+        at = (0 if batch_index is None else int(batch_index[0][0])) * generations + seq_index
         text = _text(result.as_numpy("text_output"))
         if options.streaming and options.beam_width == 1 and not options.overwrite_output_text:
-            texts[seq_index] += text
+            texts[at] += text
         else:
-            texts[seq_index] = text
+            texts[at] = text
     return EndToEndResult(texts, errors, results)
 
 
@@ -201,6 +217,7 @@ class InflightBatcher:
     exclude_input_in_output: bool = False  # --exclude-input-in-output
     return_num_input_tokens: bool = False  # --return-num-input-tokens
     return_num_output_tokens: bool = False  # --return-num-output-tokens
+    return_perf_metrics: bool = False  # --return-perf-metrics
     num_return_sequences: int | None = None  # -n
     requested_outputs: list[str] = field(default_factory=list)  # --requested-outputs (empty: all)
     model_name: str = "tensorrt_llm"  # --model-name
@@ -232,7 +249,7 @@ def inflight_batcher_inputs(options: InflightBatcher, ids: list[int], end_id: in
         "runtime_top_k": np.array([[options.top_k]], dtype=np.int32),
         "runtime_top_p": np.array([[options.top_p]], dtype=np.float32),
     }
-    for name in ("return_num_input_tokens", "return_num_output_tokens"):
+    for name in ("return_num_input_tokens", "return_num_output_tokens", "return_perf_metrics"):
         if getattr(options, name):
             inputs[name] = np.array([[True]], dtype=bool)
     if options.num_return_sequences:
@@ -257,13 +274,14 @@ class InflightBatcherResult:
     output_log_probs: list
     num_input_tokens: list
     num_output_tokens: list
+    perf_metrics: dict = field(default_factory=dict)  # name -> the last response's value, as the script prints them
     responses: list = field(default_factory=list)
 
 
 def run_inflight_batcher(url: str, options: InflightBatcher, tokenizer) -> InflightBatcherResult:
     """Send the request as the script does and read the answers as it does; an error response raises, as there."""
     ids, end_id, pad_id = prompt_ids(options, tokenizer)
-    inputs = [_tensor(name, array) for name, array in inflight_batcher_inputs(options, ids, end_id, pad_id).items()]
+    inputs = [grpc_input(name, array) for name, array in inflight_batcher_inputs(options, ids, end_id, pad_id).items()]
     if options.requested_outputs and "output_ids" not in options.requested_outputs:
         raise ScriptFailure('requested outputs must at least have "output_ids"')
     outputs = [grpcclient.InferRequestedOutput(n) for n in options.requested_outputs] or None
@@ -331,6 +349,8 @@ def run_inflight_batcher(url: str, options: InflightBatcher, tokenizer) -> Infli
             out.num_input_tokens[seq_idx] = result.as_numpy("num_input_tokens")
         if options.return_num_output_tokens:
             out.num_output_tokens[seq_idx] = result.as_numpy("num_output_tokens")
+        if options.return_perf_metrics:
+            out.perf_metrics = {name: result.as_numpy(name)[0][0] for name in PERF_OUTPUTS}
         if on_stream:
             out.sequence_lengths[seq_idx] = result.as_numpy("sequence_length")[0][0]
             if options.streaming:

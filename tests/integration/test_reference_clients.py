@@ -1,16 +1,11 @@
-"""Integration: NVIDIA's own client scripts' requests (tests/integration/reference_clients.py) against our server.
+"""Integration: NVIDIA's own client scripts' requests (tests/integration/reference_clients.py) against our server,
+in both of NVIDIA's deployments.
 
-end_to_end_grpc_client.py: its default command line (ensemble, not streaming) and each control option
-answer without an error and with sensible text. Its streaming mode `-S` is tested on
-`tensorrt_llm_bls`, where it streams; on `ensemble` (the script's default model) our server refuses
-`stream=true` by design: the script then receives one error response, prints "Received an error from
-server" with our message, ends with an empty text and exits 0 (it raises on no error response).
-
-inflight_batcher_llm_client.py: without `-S` (and without `-n`) the script makes one unary call, which
-Triton refuses for a decoupled model, ours as NVIDIA's (decoupled_mode true); it then exits with
-"Encountered error". With `-S` it uses a gRPC stream, which our decoupled tensorrt_llm answers: that
-request and its control options are checked here. `-n` sends num_return_sequences, which this server
-refuses by name.
+Default deployment (NVIDIA's decoupled_mode false): `ensemble` and `tensorrt_llm` answer request/response (gRPC
+ModelInfer, HTTP /infer), so inflight_batcher_llm_client.py without `-S` is answered; `-S` and `-n` > 1 on
+tensorrt_llm, and `stream` on ensemble, are refused naming the build option that serves them. `tensorrt_llm_bls`
+streams text. Decoupled deployment (--decoupled-mode): `tensorrt_llm` is the engine and streams, and so does the
+ensemble, with a response per sequence and per batch row; unary calls are refused by Triton, as NVIDIA's.
 """
 
 from __future__ import annotations
@@ -18,21 +13,26 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
-from tritonclient.utils import InferenceServerException
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from tests.integration.reference_clients import (
     EndToEnd,
     InflightBatcher,
     end_to_end_inputs,
     end_to_end_outputs,
+    grpc_input,
     inflight_batcher_inputs,
     run_end_to_end,
     run_inflight_batcher,
 )
+from tritonllm.protocol import DRAFT_OUTPUTS, PERF_OUTPUTS, TIMING_OUTPUTS
 
 pytestmark = pytest.mark.integration
 
@@ -136,13 +136,13 @@ def completion(grpc_url: str, **options) -> str:
 
 @pytest.mark.parametrize("model_name", ["ensemble", "tensorrt_llm_bls"])
 def test_end_to_end_default_request(grpc_url, model_name):
-    """The script sends exclude_input_in_output=false: the text is the prompt, then the completion.
-
-    Its default temperature 1.0 samples here (the completion may be empty: the model may end at once);
-    TensorRT-LLM's sampler is greedy when neither top_k nor top_p is given and never ends before one token.
-    """
-    text = answer(grpc_url, EndToEnd(PROMPT, output_len=24, model_name=model_name))
-    assert text.startswith(PROMPT)
+    """The script sends exclude_input_in_output=false: the text is the prompt, then the completion. Its default
+    temperature 1.0 comes without top_k or top_p, which TensorRT-LLM decodes greedily: so two runs agree, which
+    the script's --check-outputs flow (a run, then a second compared with it) relies on."""
+    options = EndToEnd(PROMPT, output_len=24, model_name=model_name)
+    text = answer(grpc_url, options)
+    assert text.startswith(PROMPT) and len(text) > len(PROMPT)
+    assert answer(grpc_url, options) == text
 
 
 @pytest.mark.parametrize("model_name", ["ensemble", "tensorrt_llm_bls"])
@@ -256,11 +256,95 @@ def test_end_to_end_streaming_on_tensorrt_llm_bls(grpc_url):
 
 
 def test_end_to_end_streaming_on_the_ensemble_is_one_error(grpc_url):
-    """-S on `ensemble`: refused by design; the script prints the error and ends with an empty text."""
+    """-S on `ensemble` in the default deployment: refused, naming how to stream; the script prints the error and
+    ends with an empty text (as NVIDIA's decoupled_mode false deployment, where tensorrt_llm refuses streaming)."""
     result = run_end_to_end(grpc_url, EndToEnd(PROMPT, output_len=8, streaming=True))
     assert result.texts == [""] and not result.responses
     (error,) = result.errors
-    assert "stream" in error.message()
+    assert "stream" in error.message() and "--decoupled-mode" in error.message()
+
+
+def test_end_to_end_return_perf_metrics(grpc_url):
+    """--return-perf-metrics: the script reads all ten outputs from each response (as NVIDIA's CI greps them)."""
+    for model_name in ("ensemble", "tensorrt_llm_bls"):
+        options = EndToEnd(PROMPT, output_len=8, return_perf_metrics=True, model_name=model_name)
+        result = run_end_to_end(grpc_url, options)
+        assert not result.errors and result.responses
+        final = result.responses[-1]
+        times = [int(final.as_numpy(name)[0][0]) for name in TIMING_OUTPUTS]
+        assert 0 < times[0] <= times[2] <= times[3], times  # arrival <= first token <= last token
+        assert [final.as_numpy(n)[0][0] for n in DRAFT_OUTPUTS] == [0, 0, 0]
+
+
+def test_end_to_end_batch_inputs_are_answered_in_row_order(grpc_url):
+    """--batch-inputs on the default ensemble: one response with a row per prompt (NVIDIA's non-decoupled
+    tensorrt_llm refuses a batch); the script reads its first row."""
+    prompts = [PROMPT, "The capital of France is"]
+    alone = [answer(grpc_url, EndToEnd(p, output_len=8, exclude_input_in_output=True)) for p in prompts]
+    arrays = end_to_end_inputs(EndToEnd(PROMPT, output_len=8, exclude_input_in_output=True, batch_inputs=prompts))
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        result = client.infer("ensemble", [grpc_input(n, a) for n, a in arrays.items()])
+    assert [t.decode() for t in result.as_numpy("text_output")] == alone
+
+
+# ------------------------------------------------------------------ end_to_end_test.py and benchmark_core_model.py
+
+
+def test_end_to_end_test_steps_by_hand_equal_the_ensemble(grpc_url):
+    """end_to_end_test.py: preprocessing, then tensorrt_llm with its DECODER_INPUT_ID (a decoder-only model's
+    placeholder), then postprocessing, by hand, give the ensemble's text."""
+    words = np.array([[b""]], dtype=object)
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        query = {"QUERY": np.array([[PROMPT.encode()]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[16]], np.int32)}
+        query |= {"BAD_WORDS_DICT": words, "STOP_WORDS_DICT": words}
+        pre = client.infer("preprocessing", [grpc_input(n, a) for n, a in query.items()])
+        engine_inputs = {
+            "input_ids": pre.as_numpy("INPUT_ID"),
+            "decoder_input_ids": pre.as_numpy("DECODER_INPUT_ID"),
+            "input_lengths": pre.as_numpy("REQUEST_INPUT_LEN"),
+            "request_output_len": pre.as_numpy("REQUEST_OUTPUT_LEN"),
+            "end_id": pre.as_numpy("OUT_END_ID"),
+            "pad_id": pre.as_numpy("OUT_PAD_ID"),
+        }
+        engine = client.infer("tensorrt_llm", [grpc_input(n, a) for n, a in engine_inputs.items()])
+        post = {"TOKENS_BATCH": engine.as_numpy("output_ids"), "SEQUENCE_LENGTH": engine.as_numpy("sequence_length")}
+        by_hand = client.infer("postprocessing", [grpc_input(n, a) for n, a in post.items()]).as_numpy("OUTPUT")
+        ensemble = {"text_input": query["QUERY"], "max_tokens": query["REQUEST_OUTPUT_LEN"]}
+        ensemble |= {"bad_words": words, "stop_words": words}
+        whole = client.infer("ensemble", [grpc_input(n, a) for n, a in ensemble.items()]).as_numpy("text_output")
+    assert by_hand.tolist() == whole.tolist() and whole[0].strip()
+
+
+def test_benchmark_core_model_batch_over_http(server, tokenizer):
+    """benchmark_core_model.py's unary requests (HTTP /infer, a request id) to tensorrt_llm, here two prompts in
+    one request: answered in one response, a row each, as they are alone."""
+    ids = [tokenizer.encode(PROMPT), tokenizer.encode("The capital of France is")]
+    width = max(map(len, ids))
+    inputs = {
+        "input_ids": np.array([i + [0] * (width - len(i)) for i in ids], np.int32),
+        "input_lengths": np.array([[len(i)] for i in ids], np.int32),
+        "request_output_len": np.array([[8], [8]], np.int32),
+    }
+    with httpclient.InferenceServerClient(server.http_url) as client:
+        both = client.infer("tensorrt_llm", infer_inputs(inputs), request_id="7")
+        alone = [
+            client.infer("tensorrt_llm", infer_inputs({k: v[r : r + 1] for k, v in inputs.items()})) for r in (0, 1)
+        ]
+    rows = both.as_numpy("output_ids")
+    lengths = both.as_numpy("sequence_length")
+    for row, single in enumerate(alone):
+        length = int(single.as_numpy("sequence_length")[0, 0])
+        assert int(lengths[row, 0]) == length
+        assert rows[row, 0, :length].tolist() == single.as_numpy("output_ids")[0, 0, :length].tolist()
+
+
+def infer_inputs(arrays: dict[str, np.ndarray]) -> list:
+    inputs = []
+    for name, array in arrays.items():
+        tensor = httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
 
 
 # ------------------------------------------------------------------ inflight_batcher_llm_client.py on our server
@@ -281,15 +365,100 @@ def batcher(manifest):
     return make
 
 
-def test_inflight_batcher_default_command_line_is_refused_as_unary(grpc_url, tokenizer, batcher):
-    """Without -S the script calls tensorrt_llm unary; Triton refuses that for a decoupled model."""
+def test_inflight_batcher_default_command_line(grpc_url, tokenizer, hf_model, batcher):
+    """No -S: one unary call to tensorrt_llm, which the default deployment answers; top_k 1 is greedy, so the
+    tokens are transformers' greedy tokens (the engine excludes the prompt: exclude_input_in_output, as NVIDIA's
+    quick start renders it)."""
+    result = run_inflight_batcher(grpc_url, batcher(), tokenizer)
+    (tokens,) = result.output_ids
+    assert tokens == greedy_reference(hf_model, result.input_ids, 16, tokenizer.eos_token_id)
+
+
+def test_inflight_batcher_unary_counts_log_probs_and_perf_metrics(grpc_url, tokenizer, batcher):
+    options = batcher(
+        exclude_input_in_output=True,
+        return_log_probs=True,
+        return_num_input_tokens=True,
+        return_num_output_tokens=True,
+        return_perf_metrics=True,
+    )
+    result = run_inflight_batcher(grpc_url, options, tokenizer)
+    assert result.texts[0].strip()
+    assert int(result.num_input_tokens[0].reshape(-1)[0]) == len(result.input_ids)
+    assert int(result.num_output_tokens[0].reshape(-1)[0]) == len(result.output_ids[0])
+    assert result.output_log_probs[0].shape[-1] == len(result.output_ids[0]) and np.all(result.output_log_probs[0] <= 0)
+    assert set(result.perf_metrics) == set(PERF_OUTPUTS) and result.perf_metrics["arrival_time_ns"] > 0
+
+
+@pytest.mark.parametrize("options", [{"streaming": True}, {"num_return_sequences": 2}], ids=lambda o: ",".join(o))
+def test_inflight_batcher_streams_only_in_the_decoupled_deployment(grpc_url, tokenizer, batcher, options):
+    """-S and -n 2 on the default deployment's tensorrt_llm: a 400 naming the option that serves them (NVIDIA's
+    decoupled_mode false deployment refuses streaming, and delivers one of n sequences)."""
+    with pytest.raises(InferenceServerException, match="--decoupled-mode"):
+        run_inflight_batcher(grpc_url, batcher(**options), tokenizer)
+
+
+def test_the_streaming_request_parameter_is_the_streaming_input(grpc_url, tokenizer):
+    """The script sends the Triton request parameter `Streaming` with its requests: taken as the `streaming`
+    input, never refused as an unknown input; a contradiction is a 400 naming it."""
+    ids = np.array([tokenizer.encode(PROMPT)], np.int32)
+    inputs = [grpc_input("input_ids", ids), grpc_input("request_output_len", np.array([[4]], np.int32))]
+    inputs.append(grpc_input("input_lengths", np.array([[ids.shape[1]]], np.int32)))
+    with grpcclient.InferenceServerClient(grpc_url) as client:
+        result = client.infer("tensorrt_llm", inputs, parameters={"Streaming": False})
+        assert int(result.as_numpy("sequence_length")[0, 0]) == 4
+        with pytest.raises(InferenceServerException, match="Streaming"):
+            client.infer(
+                "tensorrt_llm", [*inputs, grpc_input("streaming", np.array([[True]]))], parameters={"Streaming": False}
+            )
+        with pytest.raises(InferenceServerException, match=r"streaming.*--decoupled-mode"):
+            client.infer("tensorrt_llm", inputs, parameters={"Streaming": True})
+
+
+# ------------------------------------------------------------------ NVIDIA's decoupled deployment
+
+
+@pytest.fixture(scope="module")
+def decoupled_url(decoupled_server) -> str:
+    return f"{decoupled_server.host}:{decoupled_server.grpc_port}"
+
+
+def test_decoupled_ensemble_streams_the_greedy_text(decoupled_url, grpc_url):
+    """-S on the decoupled ensemble: the deltas, appended as the script does, make the default deployment's text
+    (an ASCII answer: postprocessing decodes each response's tokens alone there, as NVIDIA's)."""
+    streamed = run_end_to_end(decoupled_url, EndToEnd(PROMPT, output_len=16, streaming=True))
+    assert not streamed.errors and len(streamed.responses) > 1
+    whole = answer(grpc_url, EndToEnd(PROMPT, output_len=16, exclude_input_in_output=True))
+    assert streamed.texts[0] == whole
+    assert answer(decoupled_url, EndToEnd(PROMPT, output_len=16, exclude_input_in_output=True)) == whole
+
+
+def test_decoupled_ensemble_answers_each_sequence_and_row(decoupled_url):
+    """-n 2 (sampled: each sequence its own seed) and --batch-inputs: a response per sequence and per row, with
+    sequence_index and batch_index, which the script sorts its texts by."""
+    options = EndToEnd(PROMPT, output_len=12, num_return_sequences=2, exclude_input_in_output=True)
+    sampled = run_end_to_end(decoupled_url, replace(options, temperature=1.0))
+    assert not sampled.errors and len(sampled.responses) == 2 and all(sampled.texts)
+    indices = sorted(int(r.as_numpy("sequence_index")[0, 0]) for r in sampled.responses)
+    assert indices == [0, 1]
+    prompts = [PROMPT, "The capital of France is"]
+    batch = run_end_to_end(
+        decoupled_url, EndToEnd(PROMPT, output_len=8, exclude_input_in_output=True, batch_inputs=prompts)
+    )
+    assert not batch.errors and len(batch.responses) == 2
+    alone = [answer(decoupled_url, EndToEnd(p, output_len=8, exclude_input_in_output=True)) for p in prompts]
+    assert batch.texts == alone
+
+
+def test_decoupled_tensorrt_llm_refuses_unary_calls(decoupled_url, tokenizer, batcher):
+    """Without -S the script calls tensorrt_llm unary; Triton refuses that for a decoupled model, as NVIDIA's."""
     with pytest.raises(InferenceServerException, match="decoupled"):
-        run_inflight_batcher(grpc_url, batcher(), tokenizer)
+        run_inflight_batcher(decoupled_url, batcher(), tokenizer)
 
 
-def test_inflight_batcher_streaming_default_request(grpc_url, tokenizer, hf_model, batcher):
+def test_inflight_batcher_streaming_default_request(decoupled_url, tokenizer, hf_model, batcher):
     """-S: top_k 1 is greedy, so the tokens are transformers' greedy tokens; the script prepends the prompt."""
-    result = run_inflight_batcher(grpc_url, batcher(streaming=True), tokenizer)
+    result = run_inflight_batcher(decoupled_url, batcher(streaming=True), tokenizer)
     (tokens,) = result.output_ids
     generated = tokens[len(result.input_ids) :]
     assert tokens[: len(result.input_ids)] == result.input_ids
@@ -309,18 +478,19 @@ def test_inflight_batcher_streaming_default_request(grpc_url, tokenizer, hf_mode
     ],
     ids=lambda o: ",".join(o),
 )
-def test_inflight_batcher_streaming_control_options(grpc_url, tokenizer, batcher, options):
-    result = run_inflight_batcher(grpc_url, batcher(streaming=True, **options), tokenizer)
+def test_inflight_batcher_streaming_control_options(decoupled_url, tokenizer, batcher, options):
+    result = run_inflight_batcher(decoupled_url, batcher(streaming=True, **options), tokenizer)
     assert result.texts[0].strip()
     if options.get("exclude_input_in_output"):  # the script does not prepend the prompt then
         assert 0 < len(result.output_ids[0]) <= 16
 
 
-def test_inflight_batcher_streaming_log_probs_and_token_counts(grpc_url, tokenizer, batcher):
+def test_inflight_batcher_streaming_log_probs_and_token_counts(decoupled_url, tokenizer, batcher):
+    """Streamed, as TensorRT-LLM: a response's num_output_tokens counts its own tokens."""
     options = batcher(
         streaming=True, return_log_probs=True, return_num_input_tokens=True, return_num_output_tokens=True
     )
-    result = run_inflight_batcher(grpc_url, options, tokenizer)
+    result = run_inflight_batcher(decoupled_url, options, tokenizer)
     assert result.texts[0].strip()
     output_log_probs, cum_log_probs = result.output_log_probs[0], result.cum_log_probs[0]
     assert output_log_probs is not None and output_log_probs.ndim == 2 and np.all(output_log_probs <= 0)
@@ -329,14 +499,21 @@ def test_inflight_batcher_streaming_log_probs_and_token_counts(grpc_url, tokeniz
     assert int(result.num_output_tokens[0].reshape(-1)[0]) > 0
 
 
-def test_inflight_batcher_given_ids_with_end_and_pad_ids(grpc_url, tokenizer, hf_model, batcher):
+def test_inflight_batcher_num_return_sequences(decoupled_url, tokenizer, batcher):
+    """-n 2 (with -S or without: the script streams either way): a sequence each, sampled with seeds of their own."""
+    result = run_inflight_batcher(decoupled_url, batcher(num_return_sequences=2, top_k=50), tokenizer)
+    assert all(tokens for tokens in result.output_ids) and len(result.output_ids) == 2
+
+
+def test_inflight_batcher_given_ids_with_end_and_pad_ids(decoupled_url, tokenizer, hf_model, batcher):
     """--input-tokens-csv with --end-id/--pad-id: the ids are sent as they are, and the end id stops generation."""
     ids = tokenizer.encode("Born in north-east France, Soyer trained as a")
     eos = tokenizer.eos_token_id
-    result = run_inflight_batcher(grpc_url, batcher(streaming=True, input_ids=ids, end_id=eos, pad_id=eos), tokenizer)
+    options = batcher(streaming=True, input_ids=ids, end_id=eos, pad_id=eos)
+    result = run_inflight_batcher(decoupled_url, options, tokenizer)
     assert result.output_ids[0][len(ids) :] == greedy_reference(hf_model, ids, 16, eos)
 
 
-def test_inflight_batcher_beam_width_two_is_refused_by_name(grpc_url, tokenizer, batcher):
+def test_inflight_batcher_beam_width_two_is_refused_by_name(decoupled_url, tokenizer, batcher):
     with pytest.raises(InferenceServerException, match="beam_width"):
-        run_inflight_batcher(grpc_url, batcher(streaming=True, beam_width=2), tokenizer)
+        run_inflight_batcher(decoupled_url, batcher(streaming=True, beam_width=2), tokenizer)

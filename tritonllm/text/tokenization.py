@@ -127,8 +127,9 @@ class Preprocessor:
         if scalar(arrays, "STREAM", row):
             raise InputError(
                 "stream",
-                "the `ensemble` model answers once; to stream, call `tensorrt_llm_bls` with gRPC streaming "
-                "or POST /v2/models/tensorrt_llm_bls/generate_stream",
+                "the `ensemble` model answers once in this deployment (NVIDIA's decoupled_mode false); to stream, "
+                "call `tensorrt_llm_bls` with gRPC streaming or POST /v2/models/tensorrt_llm_bls/generate_stream, "
+                "or build with --decoupled-mode, where `ensemble` streams over gRPC",
             )
         query = arrays.get("QUERY")
         if query is None:

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from tritonllm.trtllm.guided_decoding import (
+    GUIDED_DECODING_OFF,
     TOKENIZER_INFO_IN_REPOSITORY,
     GuidedDecodingError,
+    GuidedDecodingUnavailable,
     guided_decoding_values,
     tokenizer_info,
     tokenizer_info_json,
@@ -89,3 +91,17 @@ def test_values_point_inside_the_rendered_repository(tmp_path):
         ),
     }
     assert TOKENIZER_INFO_IN_REPOSITORY == "tensorrt_llm/1/xgrammar_tokenizer_info.json"  # the templates' layout
+
+
+def test_a_tokenizer_without_a_fast_form_leaves_guides_off_rather_than_failing_the_build():
+    """Unavailable: the build renders GUIDED_DECODING_OFF; a vocabulary beyond the engine's stays an error."""
+    with pytest.raises(GuidedDecodingUnavailable, match="no fast form"):
+        tokenizer_info(_SlowTokenizer(), 10)
+    assert set(GUIDED_DECODING_OFF) == set(guided_decoding_values(Path("/x")))
+    assert set(GUIDED_DECODING_OFF.values()) == {""}, "empty: getGuidedDecodingConfigFromParams returns no config"
+
+
+def test_a_tokenizer_larger_than_the_engine_is_not_merely_unavailable(tokenizer):
+    with pytest.raises(GuidedDecodingError) as err:
+        tokenizer_info(tokenizer, 100)
+    assert not isinstance(err.value, GuidedDecodingUnavailable)

@@ -523,7 +523,9 @@ def test_multi_gpu_launch_is_one_rank_per_gpu_under_mpi():
     assert all(r.startswith(f"-n 1 {CONTAINER_BINARY} ") for r in ranks)
     assert "shm-region-prefix-name=prefix0_" in ranks[0] and "--load-model" not in ranks[0]
     assert "shm-region-prefix-name=prefix1_" in ranks[1]
-    assert "--model-control-mode=explicit --load-model=tensorrt_llm" in ranks[1]
+    assert "--model-control-mode=explicit --load-model=tensorrt_llm_decoupled" in ranks[1]
+    decoupled = " ".join(launch_command(2, engine_model="tensorrt_llm"))
+    assert "--load-model=tensorrt_llm " in decoupled + " ", "the decoupled deployment's engine is tensorrt_llm"
 
 
 def test_serve_refuses_a_portable_build_and_missing_pieces(tmp_path, engine_dir, tokenizer_dir):
@@ -594,3 +596,149 @@ def test_build_once_skips_a_build_it_already_made(tmp_path, monkeypatch):
     (tmp_path / "manifest.json").write_text("{}")
     assert container.build_once(args, tmp_path) == 0 and len(calls) == 2, "rendered from other templates: again"
     assert container.build_once([*args, "--max-batch-size", "8"], tmp_path) == 0 and len(calls) == 3
+
+
+# ---------------------------------------------------------------- audit risks: image, guides, beams, mounts, MPI
+
+
+def trtllm_stage_commands(dockerfile: str) -> list[str]:
+    """The shell commands of the trtllm stage's RUN lines, continuation lines joined, split at `&&`."""
+    stage = dockerfile.split(" AS trtllm\n", 1)[1].split("\nFROM ", 1)[0].replace("\\\n", " ")
+    runs = [line.removeprefix("RUN ") for line in stage.splitlines() if line.startswith("RUN ")]
+    return [" ".join(command.split()) for run in runs for command in run.split("&&")]
+
+
+def test_the_trtllm_image_installs_tritonclient_without_resolving_its_dependencies():
+    """tritonclient 2.51's metadata caps numpy<2 and protobuf<5: resolving them would downgrade NVIDIA's own."""
+    commands = trtllm_stage_commands((ROOT / "Dockerfile").read_text())
+    installs = [c for c in commands if "pip install" in c]
+    assert installs and all("--no-deps" in c for c in installs), installs
+    (install,) = [c for c in installs if "tritonclient" in c]
+    assert '"tritonclient==2.51.0"' in install and "[" not in install, "extras mean nothing without dependencies"
+    used = (ROOT / "tritonllm" / "backend" / "model_config.py").read_text()
+    assert "from tritonclient.grpc import model_config_pb2" in used
+    check = 'python3 -c "from tritonclient.grpc import model_config_pb2"'
+    assert check in commands[commands.index(install) + 1 :], "the image build imports what the project uses"
+
+
+@pytest.fixture
+def slow_tokenizer_dir(tmp_path) -> Path:
+    """A model folder whose tokenizer has no fast form (ByT5's, pure Python: no tokenizer.json)."""
+    folder = tmp_path / "byt5"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ByT5Tokenizer"}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    return folder
+
+
+def test_a_tokenizer_without_a_fast_form_builds_with_guided_decoding_off(engine_dir, slow_tokenizer_dir, capsys):
+    plan = plan_trtllm(slow_tokenizer_dir, engine_dir, args())
+    params = render_configs(plan.template_values(), flavor="trtllm")[ENGINE][1].parameters
+    # Both empty: getGuidedDecodingConfigFromParams returns no config, and the engine loads without guides.
+    assert params["guided_decoding_backend"].string_value == ""
+    assert params["xgrammar_tokenizer_info_path"].string_value == ""
+    assert plan.files == {} and plan.details["guided_decoding"] is False
+    err = capsys.readouterr().err
+    assert "guided decoding is off for this model" in err and "ByT5Tokenizer" in err and "no fast form" in err
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_manifest_says_whether_guided_decoding_is_on(engine_dir, tokenizer_dir, slow_tokenizer_dir, tmp_path, fast):
+    build_dir = tmp_path / "build"
+    model = tokenizer_dir if fast else slow_tokenizer_dir
+    options = ["--engine-dir", str(engine_dir), "--model", str(model), "--build-dir", str(build_dir)]
+    assert builder_main(["--engine", "trtllm", *options]) == 0
+    assert json.loads((build_dir / "manifest.json").read_text())["guided_decoding"] is fast
+    written = (build_dir / "model_repository" / ENGINE / "1" / "xgrammar_tokenizer_info.json").is_file()
+    assert written is fast, "no tokenizer file when guides are off"
+
+
+def test_a_tokenizer_beyond_the_engines_vocabulary_is_still_a_build_error(tmp_path, tokenizer_dir):
+    config = engine_config()
+    config["pretrained_config"]["vocab_size"] = 100
+    with pytest.raises(BuildError, match=r"guided decoding: .* beyond the engine's vocabulary of 100"):
+        plan_trtllm(tokenizer_dir, write_engine(tmp_path / "engine", config), args())
+
+
+# The values ModelInstanceState::getExecutorConfigFromParams takes for decoding_mode (model_instance_state.cc);
+# any other is logged as invalid and left to the executor.
+BACKEND_DECODING_MODES = {"top_k", "top_p", "top_k_top_p", "beam_search", "medusa", "redrafter", "lookahead", "eagle"}
+
+
+@pytest.mark.parametrize(("beams", "mode"), [(1, "top_k_top_p"), (4, "beam_search")])
+def test_the_decoding_mode_is_stated_for_the_engines_beam_width(tmp_path, tokenizer_dir, capsys, beams, mode):
+    """beam_search for max_beam_width > 1: the executor runs it as top_k_top_p while it runs beam_width 1
+    requests (getDecodingMode), where top_k_top_p would give beam_width > 1 requests a sampling decoder."""
+    path = write_engine(tmp_path / "engine", engine_config(max_beam_width=beams))
+    params = render_configs(trtllm_values(path, tokenizer_dir), flavor="trtllm")[ENGINE][1].parameters
+    assert params["decoding_mode"].string_value == mode and mode in BACKEND_DECODING_MODES
+    assert params["max_beam_width"].string_value == str(beams)
+    err = capsys.readouterr().err
+    if beams == 1:
+        assert "max_beam_width" not in err
+    else:
+        assert f"built with max_beam_width {beams}" in err and "one beam width at a time" in err
+
+
+def test_docker_run_mounts_folders_outside_the_project_at_their_own_paths():
+    folders = [Path("/src/proj/build"), Path("/data/engines/e1"), Path("/data"), Path("/models/tok"), Path("/data")]
+    command = docker.docker_run("img:1", Path("/src/proj"), ["x"], folders=folders)
+    mounts = [command[i + 1] for i, arg in enumerate(command) if arg == "-v"]
+    assert mounts == ["/src/proj:/src/proj", "/data:/data", "/models/tok:/models/tok"], "each once, none inside another"
+
+
+def test_serve_trtllm_mounts_the_build_engine_and_tokenizer_folders(tmp_path, monkeypatch, engine_dir, tokenizer_dir):
+    """The rendered configs name them by absolute path (gpt_model_path, xgrammar_tokenizer_info_path, tokenizer_dir):
+    outside the project, the container must still find them there."""
+    build_dir, project = tmp_path / "build", tmp_path / "project"
+    build_dir.mkdir()
+    project.mkdir()
+    manifest = {
+        "engine": "trtllm",
+        "engine_dir": str(engine_dir),
+        "tokenizer_dir": str(tokenizer_dir),
+        "templates": templates_digest(),
+    }
+    (build_dir / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.chdir(project)
+    monkeypatch.delenv("NVIDIA_TRITON_SERVER_VERSION", raising=False)
+    monkeypatch.setattr(docker, "host_problems", lambda gpus_needed: [])
+    monkeypatch.setattr(serve_trtllm.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 0))
+    ran = []
+    monkeypatch.setattr(serve_trtllm.os, "execvp", lambda binary, command: ran.append(command))
+    serve_trtllm.main(["--build-dir", str(build_dir)])
+    (command,) = ran
+    mounts = {command[i + 1] for i, arg in enumerate(command) if arg == "-v"}
+    for folder in (project, build_dir, engine_dir, tokenizer_dir):
+        assert f"{folder}:{folder}" in mounts
+
+
+def write_launch_build(build_dir: Path, engine: Path) -> None:
+    manifest = {"engine": "trtllm", "engine_dir": str(engine), "engine_model": ENGINE, "server_options": []}
+    (build_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_launch_refuses_a_parallel_engine_when_mpirun_is_missing(tmp_path, monkeypatch, capsys):
+    config = engine_config()
+    config["pretrained_config"]["mapping"].update(world_size=2, tp_size=2)
+    write_launch_build(tmp_path, write_engine(tmp_path / "tp2", config, ranks=2))
+    monkeypatch.setattr(container, "version", lambda name: "1.2.1")
+    ran = []
+    monkeypatch.setattr(container.os, "execvp", lambda binary, command: ran.append(command))
+    monkeypatch.setattr(container.shutil, "which", lambda name: None)
+    assert container.main(["launch", str(tmp_path)]) == 1 and ran == []
+    err = capsys.readouterr().err
+    assert "mpirun is not on PATH" in err and "tp 2 x pp 1" in err and "--tp 1 --pp 1" in err
+    monkeypatch.setattr(container.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert container.main(["launch", str(tmp_path)]) == 0
+    assert ran[0][0] == "mpirun"
+
+
+def test_launch_of_a_single_gpu_engine_needs_no_mpirun(tmp_path, monkeypatch, engine_dir):
+    write_launch_build(tmp_path, engine_dir)
+    monkeypatch.setattr(container, "version", lambda name: "1.2.1")
+    ran = []
+    monkeypatch.setattr(container.os, "execvp", lambda binary, command: ran.append(command))
+    monkeypatch.setattr(container.shutil, "which", lambda name: None)
+    assert container.main(["launch", str(tmp_path)]) == 0
+    assert ran[0][0] == CONTAINER_BINARY
