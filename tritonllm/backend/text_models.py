@@ -17,7 +17,11 @@ def preprocessor(params: dict[str, str]) -> Preprocessor:
     """The preprocessing model's step from its config's parameters (tensorrt_llm_bls runs the same one)."""
     limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
     return Preprocessor(
-        tokenizer(params), limits, flag(params["add_special_tokens"]), int(params.get("max_beam_width", "1"))
+        tokenizer(params),
+        limits,
+        flag(params["add_special_tokens"]),
+        int(params.get("max_beam_width", "1")),
+        flag(params.get("check_guides", "false")),
     )
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -26,21 +25,14 @@ from typing import ClassVar
 import torch
 
 from tritonllm.engine.api import Guide
+from tritonllm.engine.grammar_check import not_compiling
 from tritonllm.engine.sampling import ArgumentGroup, generated_tokens
 from tritonllm.errors import InputError
 
 log = logging.getLogger(__name__)
 
-GUIDE_FIELD = "guided_decoding_guide"
 BITS = [1 << i for i in range(31)] + [-(1 << 31)]  # each bit of an int32 word, as an int32
 COMPILED_GUIDES_KEPT = 256  # distinct grammars whose compilation is kept
-# xgrammar's errors start with a time stamp, its source file and line, and for checks the failed condition.
-_XGRAMMAR_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
-
-
-def _reason(exc: Exception) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return _XGRAMMAR_NOISE.sub("", lines[0]).strip() if lines else type(exc).__name__
 
 
 @dataclass
@@ -142,7 +134,7 @@ class Guides:
             if kind == "ebnf_grammar":
                 return compiler.compile_grammar(text)
         except Exception as exc:
-            raise InputError(GUIDE_FIELD, f"the {kind} guide does not compile: {_reason(exc)}") from None
+            raise not_compiling(kind, exc) from None
         raise InputError("guided_decoding_guide_type", f"unknown guide type {kind!r}")
 
     def start(self, request_id: str, compiled, end_id: int) -> None:

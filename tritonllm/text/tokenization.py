@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tritonllm.engine.grammar_check import check_guide
 from tritonllm.errors import InputError
 from tritonllm.protocol import GUIDE_TYPES, MAX_BIASED_TOKENS, MAX_WORD_BYTES, MAX_WORDS
 
@@ -112,10 +113,20 @@ def parse_word_list(array: np.ndarray | None) -> tuple[tuple[int, ...], ...]:
 class Preprocessor:
     """Tokenizes every row of every request in one call to the fast tokenizer."""
 
-    def __init__(self, tokenizer, limits: Limits, add_special_tokens: bool = True, max_beam_width: int = 1) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        limits: Limits,
+        add_special_tokens: bool = True,
+        max_beam_width: int = 1,
+        check_guides: bool = False,
+    ) -> None:
+        """`check_guides`: compile each guide before the engine, whose own compile comes too late (TensorRT-LLM's,
+        in its batch step: tritonllm/engine/grammar_check.py)."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.max_beam_width = max_beam_width
+        self.check_guides = check_guides
         self.add_special_tokens = add_special_tokens
         self.end_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
         pad = tokenizer.pad_token_id
@@ -280,8 +291,15 @@ class Preprocessor:
             check_sampling(
                 scalar(arrays, "TEMPERATURE", row), scalar(arrays, "TOP_K", row), scalar(arrays, "TOP_P", row)
             )
-            check_beam_width(scalar(arrays, "BEAM_WIDTH", row), self.max_beam_width)
-            parse_guide(scalar(arrays, "GUIDED_DECODING_GUIDE_TYPE", row), scalar(arrays, "GUIDED_DECODING_GUIDE", row))
+            beam_width = scalar(arrays, "BEAM_WIDTH", row)
+            check_beam_width(beam_width, self.max_beam_width)
+            guide = parse_guide(
+                scalar(arrays, "GUIDED_DECODING_GUIDE_TYPE", row), scalar(arrays, "GUIDED_DECODING_GUIDE", row)
+            )
+            if guide is not None and (beam_width or 1) > 1:  # TensorRT-LLM's grammar follows the first beam only
+                raise InputError("beam_width", f"guided decoding generates one beam: it must be 1, got {beam_width}")
+            if guide is not None and self.check_guides:
+                check_guide(*guide)
             lengths.append(len(ids))
             output_lens.append(max_tokens)
             end_ids.append(self._token_id(arrays, "END_ID", "end_id", row, self.end_id))

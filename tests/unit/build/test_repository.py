@@ -387,3 +387,9 @@ def test_serve_refuses_a_stale_build_before_starting_anything(tmp_path, capsys):
     assert serve.main(["--repository", str(tmp_path / "model_repository")]) == 2
     error = capsys.readouterr().err
     assert "rendered from other model templates" in error and "run `make build` again" in error
+
+
+def test_only_the_tensorrt_llm_flavor_compiles_guides_in_preprocessing():
+    configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
+    assert configs["preprocessing"].parameters["check_guides"].string_value == "false"
+    assert dataclasses.replace(PLAN, engine="trtllm").template_values()["check_guides"] == "true"

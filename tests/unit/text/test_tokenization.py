@@ -179,3 +179,45 @@ def test_beam_width_up_to_the_engines(tokenizer):
     wide = Preprocessor(tokenizer, LIMITS, max_beam_width=4)
     [out] = wide.process([request("Hello", BEAM_WIDTH=np.array([[4]], np.int32))])
     assert not isinstance(out, InputError)
+
+
+def guide(kind: str, text: str, **extra) -> dict:
+    return request(
+        "Pick a number.",
+        GUIDED_DECODING_GUIDE_TYPE=np.array([[kind.encode()]], dtype=object),
+        GUIDED_DECODING_GUIDE=np.array([[text.encode()]], dtype=object),
+        **extra,
+    )
+
+
+BAD_GUIDES = [("regex", "[0-9"), ("json_schema", '{"type": 5}'), ("ebnf_grammar", "root ::= [0-9")]
+
+
+@pytest.mark.parametrize(("kind", "text"), BAD_GUIDES)
+def test_a_guide_that_does_not_compile_is_refused_before_the_tensorrt_llm_engine(tokenizer, kind, text):
+    """TensorRT-LLM compiles a guide inside its batch step, where a bad one fails every request in flight: its
+    flavor's preprocessing compiles each first (check_guides), and refuses a bad one naming the input."""
+    checking = Preprocessor(tokenizer, LIMITS, check_guides=True)
+    [refused] = checking.process([guide(kind, text)])
+    assert isinstance(refused, InputError) and refused.field == "guided_decoding_guide"
+    assert f"the {kind} guide does not compile" in str(refused)
+    [good] = checking.process(
+        [guide(kind, {"regex": "[0-9]+", "json_schema": '{"type": "integer"}'}.get(kind, "root ::= [0-9]+"))]
+    )
+    assert not isinstance(good, Exception)
+
+
+def test_the_portable_flavor_leaves_guides_to_its_engine(pre):
+    """The portable engine compiles a guide with its tokenizer when the request arrives (a 400 there): no second
+    compile here, so the text models never load xgrammar, and with it torch."""
+    [passed] = pre.process([guide("regex", "[0-9")])
+    assert not isinstance(passed, Exception)
+
+
+def test_a_guide_with_more_than_one_beam_is_refused(tokenizer):
+    """TensorRT-LLM's grammar follows the first beam only (GuidedDecoder::build)."""
+    wide = Preprocessor(tokenizer, LIMITS, max_beam_width=4)
+    [refused] = wide.process([guide("regex", "[0-9]+", BEAM_WIDTH=np.array([[2]], np.int32))])
+    assert isinstance(refused, InputError) and refused.field == "beam_width"
+    [beams] = wide.process([request("Pick a number.", BEAM_WIDTH=np.array([[2]], np.int32))])
+    assert not isinstance(beams, Exception)
