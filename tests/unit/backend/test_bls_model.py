@@ -183,3 +183,39 @@ def test_a_stopped_request_still_gets_the_kv_cache_counts_of_the_engines_last_re
         {"_INPUT_ID": asked["_INPUT_ID"]}, StopsAtOnce(), bls_model._Request(pb_utils.ResponseSender()), streaming=True
     )
     assert not set(KV_CACHE_OUTPUTS) & set(pb_utils.bls_requests[0].requested_output_names) and unasked.perf == {}
+
+
+@pytest.mark.parametrize("cumulative", [True, False])
+def test_streamed_log_probs_are_each_tokens_own(bls, pb_utils, cumulative):
+    """TensorRT-LLM streams all the log probs so far with each response's new tokens (its LLM API slices them
+    too); the portable engine streams the response's own. Either way each delta gets its tokens' log probs, and
+    cum_log_probs is their sum."""
+    bls_model, model = bls
+    model.engine_step = SimpleNamespace(input_map={"input_ids": "_INPUT_ID"})
+    model._ids = itertools.count()
+    sent = []
+    model.outbox = SimpleNamespace(put=lambda state, item: sent.append(item))
+    values = [-0.5, -1.25, -2.0]
+
+    def response(step: int):
+        own = values[step : step + 1]
+        log_probs = values[: step + 1] if cumulative else own
+        return pb_utils.InferenceResponse(
+            [
+                pb_utils.Tensor("output_ids", np.array([[[10 + step]]], np.int32)),
+                pb_utils.Tensor("sequence_length", np.array([[1]], np.int32)),
+                pb_utils.Tensor("output_log_probs", np.array([[log_probs]], np.float32)),
+            ]
+        )
+
+    pb_utils.bls_handler = lambda request: [response(step) for step in range(3)]
+
+    class Echo:
+        stopped = False
+
+        def push(self, ids: list[int]) -> str:
+            return "t"
+
+    state = bls_model._Request(pb_utils.ResponseSender(), log_probs=0)
+    model._run_engine({"_INPUT_ID": np.array([[1, 2]], np.int32)}, Echo(), state, streaming=True)
+    assert [delta.log_probs for delta in sent] == [[v] for v in values]
