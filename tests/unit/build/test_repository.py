@@ -28,6 +28,7 @@ from tritonllm.build.repository import (
     write_repository,
 )
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
+from tritonllm.protocol import PERF_OUTPUTS
 
 PLAN = BuildPlan(
     engine="portable",
@@ -393,3 +394,14 @@ def test_only_the_tensorrt_llm_flavor_compiles_guides_in_preprocessing():
     configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
     assert configs["preprocessing"].parameters["check_guides"].string_value == "false"
     assert dataclasses.replace(PLAN, engine="trtllm").template_values()["check_guides"] == "true"
+
+
+def test_every_perf_output_the_cpp_backend_writes_unasked_is_declared():
+    """B1: with return_perf_metrics, TensorRT-LLM's fillTritonResponse writes all ten perf outputs without checking
+    which were requested, and Triton refuses an output the config does not declare (the whole response fails).
+    Both flavors' engines render the same fragment."""
+    configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
+    for model in ("tensorrt_llm", "tensorrt_llm_decoupled", "ensemble", "tensorrt_llm_bls"):
+        assert set(PERF_OUTPUTS) <= {t.name for t in configs[model].output}, model
+    trtllm = (TEMPLATES / "_flavors" / "trtllm" / "tensorrt_llm" / "config.pbtxt").read_text()
+    assert "${tensorrt_llm_io}" in trtllm
