@@ -13,8 +13,14 @@ FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-trtllm-python-py3 AS trtllm
 WORKDIR /opt/tritonllm
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONPATH=/opt/tritonllm
 # torch, transformers and tensorrt_llm come with the image, pinned together by NVIDIA: install nothing over them.
-# tritonclient's ModelConfig protobuf validates the rendered repository when the build runs in the image.
-RUN python3 -m pip install "tritonclient[grpc]==2.51.0"
+# tritonclient's ModelConfig protobuf validates the rendered repository when the build runs in the image, and the
+# Python-backend models read their configs with it. Its 2.51 metadata caps numpy<2 and protobuf<5, so a resolving
+# install could downgrade NVIDIA's numpy and protobuf. --no-deps installs only the packages named: of what
+# `tritonclient.grpc` imports beyond the image's numpy, protobuf and packaging, grpcio and python-rapidjson, named
+# unpinned so that pip adds them only where the image lacks them. `pip check` would report tritonclient's own caps
+# against the image's numpy and protobuf; importing what the project uses is the check.
+RUN python3 -m pip install --no-deps "tritonclient==2.51.0" grpcio python-rapidjson \
+ && python3 -c "from tritonclient.grpc import model_config_pb2"
 COPY tritonllm tritonllm
 COPY client client
 COPY model_repository model_repository

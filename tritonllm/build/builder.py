@@ -108,6 +108,7 @@ class BuildPlan:
             "max_inflight_requests": str(8 * self.max_batch_size),
             "max_queue_size": str(self.queue_size),
             "engine_model": self.engine_model,
+            "check_guides": str(self.engine == "trtllm").lower(),
             **self.engine_values,
         }
 
@@ -206,10 +207,12 @@ def plan_synthetic(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
 
 def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> BuildPlan:
     """Triton values from the engine's own config.json (and the tokenizer folder)."""
-    from tritonllm.trtllm.engine_dir import check_batch_size, read_engine
+    from tritonllm.trtllm.engine_dir import beam_width_warning, check_batch_size, decoding_mode, read_engine
     from tritonllm.trtllm.guided_decoding import (
+        GUIDED_DECODING_OFF,
         TOKENIZER_INFO_IN_REPOSITORY,
         GuidedDecodingError,
+        GuidedDecodingUnavailable,
         guided_decoding_values,
         tokenizer_info_json,
     )
@@ -225,11 +228,22 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
         raise BuildError(
             f"--kv-cache-free-gpu-mem-fraction must be in (0, 1], got {args.kv_cache_free_gpu_mem_fraction}"
         )
+    if warning := beam_width_warning(info):
+        print(f"build_engines.py: warning: {warning}", file=sys.stderr, flush=True)
+    repository = Path(getattr(args, "build_dir", "build")) / "model_repository"
     try:  # the C++ backend's grammar engine reads the tokenizer from a file the build writes
-        tokenizer_info = tokenizer_info_json(model_dir, info.vocab_size)
+        files = {TOKENIZER_INFO_IN_REPOSITORY: tokenizer_info_json(model_dir, info.vocab_size)}
+        guides = guided_decoding_values(repository / engine_model(args.decoupled_mode))
+    except GuidedDecodingUnavailable as exc:
+        print(
+            f"build_engines.py: warning: guided decoding is off for this model: {exc}; requests with "
+            "guided_decoding_guide_type will be refused (the manifest records guided_decoding: false)",
+            file=sys.stderr,
+            flush=True,
+        )
+        files, guides = {}, GUIDED_DECODING_OFF
     except GuidedDecodingError as exc:
         raise BuildError(f"guided decoding: {exc}") from None
-    repository = Path(getattr(args, "build_dir", "build")) / "model_repository"
     return BuildPlan(
         engine="trtllm",
         model_dir=str(model_dir),
@@ -245,7 +259,8 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
             "engine_dir": str(engine_dir),
             "kv_cache_free_gpu_mem_fraction": str(args.kv_cache_free_gpu_mem_fraction),
             "enable_kv_cache_reuse": "true",
-            **guided_decoding_values(repository / engine_model(args.decoupled_mode)),
+            "decoding_mode": decoding_mode(info.max_beam_width),
+            **guides,
         },
         details={
             "engine_dir": str(engine_dir),
@@ -255,8 +270,9 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
             "quant_algo": info.quant_algo,
             "kv_cache_quant_algo": info.kv_cache_quant_algo,
             "engine_max_batch_size": info.max_batch_size,
+            "guided_decoding": bool(files),
         },
-        files={TOKENIZER_INFO_IN_REPOSITORY: tokenizer_info},
+        files=files,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -17,8 +18,8 @@ from pathlib import Path
 from tritonllm.build import builder
 from tritonllm.build.repository import stale_build
 from tritonllm.launch.tritonserver import CONTAINER_BINARY, probe_engine, server_command
-from tritonllm.protocol import PORTS
-from tritonllm.trtllm.engine_dir import check_version, read_engine
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
+from tritonllm.trtllm.engine_dir import EngineError, EngineInfo, check_version, read_engine
 
 
 def build_once(build_args: list[str], build_dir: Path) -> int:
@@ -35,6 +36,18 @@ def build_once(build_args: list[str], build_dir: Path) -> int:
     return code
 
 
+def check_mpirun(info: EngineInfo) -> None:
+    """A tensor/pipeline-parallel engine runs one tritonserver per rank under mpirun (server_command): say so before
+    starting, rather than fail with exec's "No such file or directory"."""
+    if info.world_size > 1 and shutil.which("mpirun") is None:
+        raise EngineError(
+            f"engine {info.path} has {info.world_size} ranks (tp {info.tp_size} x pp {info.pp_size}), which run as "
+            "one tritonserver each under mpirun, but mpirun is not on PATH: run in the trtllm target of ./Dockerfile "
+            "(NVIDIA's TensorRT-LLM image), add the folder holding mpirun to PATH, or rebuild the engine with "
+            "--tp 1 --pp 1"
+        )
+
+
 def launch(build_dir: Path, exit_timeout: int) -> None:
     """In the image: check the build, then become tritonserver (or mpirun with one rank per GPU)."""
     manifest = json.loads((build_dir / "manifest.json").read_text())
@@ -42,6 +55,7 @@ def launch(build_dir: Path, exit_timeout: int) -> None:
     if manifest["engine"] == "trtllm":
         info = read_engine(Path(manifest["engine_dir"]))
         check_version(info, version("tensorrt_llm"))
+        check_mpirun(info)
         world_size = info.world_size
     command = server_command(
         CONTAINER_BINARY,
@@ -52,6 +66,7 @@ def launch(build_dir: Path, exit_timeout: int) -> None:
         admin_key=os.environ.get("TRITONLLM_ADMIN_KEY"),
         exit_timeout=exit_timeout,
         world_size=world_size,
+        engine_model=manifest.get("engine_model", DECOUPLED_ENGINE_MODEL),
     )
     os.execvp(command[0], command)
 
@@ -75,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         build_args = args.build_args[1:] if args.build_args[:1] == ["--"] else args.build_args
         return build_once(build_args, builder.parse_args(build_args).build_dir)
     if args.command == "launch":
-        launch(args.build_dir, args.exit_timeout)
+        try:
+            launch(args.build_dir, args.exit_timeout)
+        except EngineError as exc:
+            print(f"launch: {exc}", file=sys.stderr)
+            return 1
         return 0
     problem = probe_engine(args.grpc_url)
     if problem:

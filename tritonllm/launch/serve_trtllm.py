@@ -40,6 +40,14 @@ def load_build(build_dir: Path) -> EngineInfo:
     return read_engine(Path(manifest["engine_dir"]))
 
 
+def build_folders(build_dir: Path) -> list[Path]:
+    """The folders the rendered configs name by absolute path: the build (its model repository and guided decoding's
+    tokenizer file), the engine (gpt_model_path) and the tokenizer (pre/postprocessing). `docker run` mounts each at
+    the same path: an engine or build folder outside the project would otherwise be missing in the container."""
+    manifest = json.loads((build_dir / "manifest.json").read_text())
+    return [build_dir, Path(manifest["engine_dir"]), Path(manifest["tokenizer_dir"])]
+
+
 def installed_trtllm() -> str:
     try:
         return version("tensorrt_llm")
@@ -75,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ports = {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
     inner = ["python3", "-m", "tritonllm.launch.serve_trtllm", "--build-dir", str(build_dir)]
-    command = docker.docker_run(docker.IMAGE_TAG, Path.cwd(), inner, ports=ports, host=args.host)
+    folders = build_folders(build_dir)
+    command = docker.docker_run(docker.IMAGE_TAG, Path.cwd(), inner, folders=folders, ports=ports, host=args.host)
     print(f"Serving {info.path} ({where}) in {docker.IMAGE_TAG}: {' '.join(command)}", flush=True)
     os.execvp(command[0], command)  # docker takes over this process and its signals
     return 0  # not reached

@@ -63,17 +63,24 @@ def host_problems(
     return found
 
 
+def mounted(project: Path, folders: Sequence[Path]) -> list[Path]:
+    """The project and `folders`, less any inside another: each is mounted at its own path."""
+    wanted = list(dict.fromkeys([project, *folders]))
+    return [f for f in wanted if not any(f != other and f.is_relative_to(other) for other in wanted)]
+
+
 def docker_run(
     image: str,
     project: Path,
     command: Sequence[str],
     *,
+    folders: Sequence[Path] = (),
     ports: dict[str, int] | None = None,
     host: str = "127.0.0.1",
     interactive: bool = False,
 ) -> list[str]:
-    """`docker run` of `command` in `image`, with the project mounted at the same path (so every path
-    the build wrote stays valid), all GPUs, and the shared memory and limits the Python backend and
+    """`docker run` of `command` in `image`, with the project and `folders` (absolute) mounted at the same paths
+    (so every path the build wrote stays valid), all GPUs, and the shared memory and limits the Python backend and
     TensorRT-LLM need."""
     args = [
         "docker",
@@ -87,8 +94,7 @@ def docker_run(
         "memlock=-1",
         "--ulimit",
         "stack=67108864",
-        "-v",
-        f"{project}:{project}",
+        *(arg for folder in mounted(project, folders) for arg in ("-v", f"{folder}:{folder}")),
         "-w",
         str(project),
         "-e",

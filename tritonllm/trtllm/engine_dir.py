@@ -112,3 +112,31 @@ def check_batch_size(info: EngineInfo, triton_max_batch_size: int) -> None:
             f"--max-batch-size {triton_max_batch_size} is larger than the engine's max_batch_size "
             f"{info.max_batch_size} ({info.path}/config.json): lower it, or rebuild the engine with a larger one"
         )
+
+
+def decoding_mode(max_beam_width: int) -> str:
+    """The tensorrtllm backend's `decoding_mode` for an engine: what the executor picks when it is unset, stated.
+
+    Unset, ModelInstanceState::getExecutorConfigFromParams warns that it is "invalid or not specified" and leaves it
+    to the executor (triton_backend/inflight_batcher_llm/src/model_instance_state.cc, NVIDIA/TensorRT-LLM 0c8de69,
+    1.2.0rc8), which decides by its operating beam width, not the engine's: it runs requests of one beam width at a
+    time (Executor::Impl::getLeaderNewReqWithIds dequeues only those of the operating width while any is active,
+    cpp/tensorrt_llm/executor/executorImpl.cpp), switches the width when none is (verifyRequests -> changeBeamWidth
+    -> createDecoder), and getDecodingMode turns beam_search into top_k_top_p at width 1
+    (cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp; both read at b35ac1b, 1.2.0rc2). So
+    `beam_search` samples for beam_width 1 and searches beams above it; `top_k_top_p` would set up a sampling
+    decoder for beam_width > 1 requests.
+    """
+    return "top_k_top_p" if max_beam_width == 1 else "beam_search"
+
+
+def beam_width_warning(info: EngineInfo) -> str | None:
+    """What an engine built with max_beam_width > 1 (built elsewhere: this project builds 1) costs at serve time."""
+    if info.max_beam_width == 1:
+        return None
+    return (
+        f"engine {info.path} was built with max_beam_width {info.max_beam_width}: the executor runs requests of one "
+        "beam width at a time (sampling for beam_width 1, beam search above), so a request whose beam_width differs "
+        "from those running waits until they have all finished. Unless clients need beam search, serve an engine "
+        "built with max_beam_width 1 (`make build ENGINE=trtllm` builds one)."
+    )

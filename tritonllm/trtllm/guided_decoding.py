@@ -8,14 +8,16 @@ model_instance_state.cc). It reads three parameters of the `tensorrt_llm` model:
 - `xgrammar_tokenizer_info_path`: a JSON file describing the tokenizer to XGrammar (below); it must exist;
 - `tokenizer_dir`: read, but unused by the C++ backend (only NVIDIA's Python backend needs it).
 
-Guided decoding is on only when the first two are set (not empty); otherwise a request that carries
-`guided_decoding_guide_type` fails in the executor ("GuidedDecoder is not setup").
+Guided decoding is on only when the first two are set (not empty); otherwise the function returns no
+config, the executor has no GuidedDecoder, and a request that carries `guided_decoding_guide_type` fails
+("GuidedDecoder is not setup").
 
 The JSON file is the one NVIDIA's `examples/generate_xgrammar_tokenizer_info.py` writes for a
 Hugging Face tokenizer: an object with
 - `encoded_vocab`: every token's string, in token-id order;
 - `tokenizer_str`: the fast tokenizer's serialized `tokenizer.json` (from which XGrammar detects how tokens
-  encode bytes); the backend reads it unconditionally, so a tokenizer without one cannot be used;
+  encode bytes); the backend reads it unconditionally, so for a tokenizer without one (or without an
+  end-of-sequence token) the build renders both parameters empty: the model is served without guides;
 - `stop_token_ids`: [the tokenizer's end-of-sequence id].
 
 This module writes the same file itself, with transformers, at build time.
@@ -34,8 +36,17 @@ TOKENIZER_INFO_FILE = "xgrammar_tokenizer_info.json"
 TOKENIZER_INFO_IN_REPOSITORY = f"tensorrt_llm/1/{TOKENIZER_INFO_FILE}"  # in the templates' layout
 
 
+# The parameters empty: getGuidedDecodingConfigFromParams returns no config, and the model loads without guides.
+GUIDED_DECODING_OFF = {"guided_decoding_backend": "", "xgrammar_tokenizer_info_path": ""}
+
+
 class GuidedDecodingError(ConfigError):
-    """The tokenizer cannot be described to the C++ backend's grammar engine; says why."""
+    """The tokenizer does not fit the engine it is built with; says why."""
+
+
+class GuidedDecodingUnavailable(GuidedDecodingError):
+    """The tokenizer cannot be described to the C++ backend's grammar engine: the model can be served, without
+    guides; says why."""
 
 
 def tokenizer_info(tokenizer, vocab_size: int) -> dict:
@@ -45,12 +56,12 @@ def tokenizer_info(tokenizer, vocab_size: int) -> dict:
     have more tokens than that.
     """
     if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise GuidedDecodingError(
+        raise GuidedDecodingUnavailable(
             f"the tokenizer ({type(tokenizer).__name__}) has no fast form (tokenizer.json): TensorRT-LLM's C++ "
             "backend describes the tokenizer to its grammar engine with that file, so guided decoding cannot run"
         )
     if tokenizer.eos_token_id is None:
-        raise GuidedDecodingError("the tokenizer has no end-of-sequence token: guided decoding needs one to stop")
+        raise GuidedDecodingUnavailable("the tokenizer has no end-of-sequence token: guided decoding needs one to stop")
     by_id = {token_id: token for token, token_id in tokenizer.get_vocab().items()}
     size = max(by_id) + 1
     if size > vocab_size:
