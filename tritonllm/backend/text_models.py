@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tritonllm.backend.triton_glue import flag, model_config, parameters, run_batch
 from tritonllm.text.detokenization import Detokenizer, Postprocessor
-from tritonllm.text.tokenization import Limits, Preprocessor
+from tritonllm.text.tokenization import GUIDES_BY_ENGINE, Limits, Preprocessor
 from tritonllm.text.tokenizer import load_tokenizer
 
 
@@ -21,7 +21,7 @@ def preprocessor(params: dict[str, str]) -> Preprocessor:
         limits,
         flag(params["add_special_tokens"]),
         int(params.get("max_beam_width", "1")),
-        flag(params.get("check_guides", "false")),
+        params.get("guided_decoding", GUIDES_BY_ENGINE),
     )
 
 

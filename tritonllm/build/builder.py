@@ -24,6 +24,7 @@ from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, Synthetic
 from tritonllm.errors import ConfigError
 from tritonllm.options import add_options, option_fields
 from tritonllm.protocol import engine_model
+from tritonllm.text.tokenization import GUIDES_BY_ENGINE, GUIDES_COMPILED, GUIDES_OFF
 from tritonllm.text.tokenizer import resolved_class
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -72,6 +73,13 @@ class BuildPlan:
         return self.max_queue_size or self.max_batch_size
 
     @property
+    def guided_decoding(self) -> str:
+        """Who checks a guide before generation (preprocessing's parameter: tritonllm.text.tokenization)."""
+        if self.engine != "trtllm":
+            return GUIDES_BY_ENGINE
+        return GUIDES_COMPILED if self.details.get("guided_decoding", True) else GUIDES_OFF
+
+    @property
     def engine_model(self) -> str:
         """The engine's model, which streams: tensorrt_llm_decoupled, or tensorrt_llm in the decoupled deployment."""
         return engine_model(self.decoupled_mode)
@@ -108,7 +116,7 @@ class BuildPlan:
             "max_inflight_requests": str(8 * self.max_batch_size),
             "max_queue_size": str(self.queue_size),
             "engine_model": self.engine_model,
-            "check_guides": str(self.engine == "trtllm").lower(),
+            "guided_decoding": self.guided_decoding,
             **self.engine_values,
         }
 
@@ -318,7 +326,12 @@ def build_trtllm_engine(model_dir: Path, engine_dir: Path, build_dir: Path, args
     problems = docker.host_problems(gpus_needed=1)
     if problems:
         raise BuildError("\n  ".join(["the TensorRT-LLM engine cannot be built here:", *problems]))
-    command = docker.docker_run(docker.IMAGE_TAG, Path.cwd(), ["python3", "build_engines.py", *argv, "--engine-only"])
+    # The build, model and engine folders at their own paths: the engine built in the image must land where this
+    # build (and the configs it renders) will look for it, also outside the project.
+    folders = [build_dir.resolve(), model_dir.resolve(), engine_dir.resolve()]
+    command = docker.docker_run(
+        docker.IMAGE_TAG, Path.cwd(), ["python3", "build_engines.py", *argv, "--engine-only"], folders=folders
+    )
     print("Building the engine inside", docker.IMAGE_TAG, "...", flush=True)
     if subprocess.run(command).returncode != 0:
         raise BuildError(f"the engine build in {docker.IMAGE_TAG} failed (its output is above)")

@@ -18,6 +18,9 @@ from tritonllm.errors import InputError
 from tritonllm.protocol import GUIDE_TYPES, MAX_BIASED_TOKENS, MAX_WORD_BYTES, MAX_WORDS
 
 MAX_BYTES_PER_TOKEN = 64  # no tokenizer we know packs more bytes into one token
+# Who checks a guide before generation (preprocessing's guided_decoding parameter; Preprocessor says what each is).
+GUIDES_BY_ENGINE, GUIDES_COMPILED, GUIDES_OFF = "engine", "compile", "off"
+GUIDE_MODES = (GUIDES_BY_ENGINE, GUIDES_COMPILED, GUIDES_OFF)
 
 
 @dataclass(frozen=True)
@@ -119,14 +122,17 @@ class Preprocessor:
         limits: Limits,
         add_special_tokens: bool = True,
         max_beam_width: int = 1,
-        check_guides: bool = False,
+        guides: str = GUIDES_BY_ENGINE,
     ) -> None:
-        """`check_guides`: compile each guide before the engine, whose own compile comes too late (TensorRT-LLM's,
-        in its batch step: tritonllm/engine/grammar_check.py)."""
+        """`guides`: GUIDES_BY_ENGINE (the engine compiles them as requests arrive), GUIDES_COMPILED (compiled here
+        first: TensorRT-LLM compiles them in its batch step, tritonllm/engine/grammar_check.py), or GUIDES_OFF
+        (the engine has none: a TensorRT-LLM engine whose tokenizer its grammar engine cannot read)."""
+        if guides not in GUIDE_MODES:
+            raise ValueError(f"guided_decoding must be one of {', '.join(GUIDE_MODES)}, got {guides!r}")
         self.tokenizer = tokenizer
         self.limits = limits
         self.max_beam_width = max_beam_width
-        self.check_guides = check_guides
+        self.guides = guides
         self.add_special_tokens = add_special_tokens
         self.end_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else -1
         pad = tokenizer.pad_token_id
@@ -298,7 +304,13 @@ class Preprocessor:
             )
             if guide is not None and (beam_width or 1) > 1:  # TensorRT-LLM's grammar follows the first beam only
                 raise InputError("beam_width", f"guided decoding generates one beam: it must be 1, got {beam_width}")
-            if guide is not None and self.check_guides:
+            if guide is not None and self.guides == GUIDES_OFF:
+                raise InputError(
+                    "guided_decoding_guide_type",
+                    "this model's engine has no guided decoding (its tokenizer has no fast form for the grammar "
+                    "engine; the build said so)",
+                )
+            if guide is not None and self.guides == GUIDES_COMPILED:
                 check_guide(*guide)
             lengths.append(len(ids))
             output_lens.append(max_tokens)

@@ -392,8 +392,10 @@ def test_serve_refuses_a_stale_build_before_starting_anything(tmp_path, capsys):
 
 def test_only_the_tensorrt_llm_flavor_compiles_guides_in_preprocessing():
     configs = {name: config for name, (_, config) in render_configs(VALUES).items()}
-    assert configs["preprocessing"].parameters["check_guides"].string_value == "false"
-    assert dataclasses.replace(PLAN, engine="trtllm").template_values()["check_guides"] == "true"
+    assert configs["preprocessing"].parameters["guided_decoding"].string_value == "engine"
+    assert dataclasses.replace(PLAN, engine="trtllm").template_values()["guided_decoding"] == "compile"
+    off = dataclasses.replace(PLAN, engine="trtllm", details={"guided_decoding": False})
+    assert off.template_values()["guided_decoding"] == "off"
 
 
 def test_every_perf_output_the_cpp_backend_writes_unasked_is_declared():

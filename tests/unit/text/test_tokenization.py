@@ -5,7 +5,14 @@ import pytest
 
 from tritonllm.errors import InputError
 from tritonllm.protocol import MAX_WORDS
-from tritonllm.text.tokenization import Limits, Preprocessor, parse_word_list, word_list
+from tritonllm.text.tokenization import (
+    GUIDES_COMPILED,
+    GUIDES_OFF,
+    Limits,
+    Preprocessor,
+    parse_word_list,
+    word_list,
+)
 
 LIMITS = Limits(max_input_len=64, max_seq_len=96, vocab_size=49152)
 
@@ -196,8 +203,8 @@ BAD_GUIDES = [("regex", "[0-9"), ("json_schema", '{"type": 5}'), ("ebnf_grammar"
 @pytest.mark.parametrize(("kind", "text"), BAD_GUIDES)
 def test_a_guide_that_does_not_compile_is_refused_before_the_tensorrt_llm_engine(tokenizer, kind, text):
     """TensorRT-LLM compiles a guide inside its batch step, where a bad one fails every request in flight: its
-    flavor's preprocessing compiles each first (check_guides), and refuses a bad one naming the input."""
-    checking = Preprocessor(tokenizer, LIMITS, check_guides=True)
+    flavor's preprocessing compiles each first, and refuses a bad one naming the input."""
+    checking = Preprocessor(tokenizer, LIMITS, guides=GUIDES_COMPILED)
     [refused] = checking.process([guide(kind, text)])
     assert isinstance(refused, InputError) and refused.field == "guided_decoding_guide"
     assert f"the {kind} guide does not compile" in str(refused)
@@ -221,3 +228,13 @@ def test_a_guide_with_more_than_one_beam_is_refused(tokenizer):
     assert isinstance(refused, InputError) and refused.field == "beam_width"
     [beams] = wide.process([request("Pick a number.", BEAM_WIDTH=np.array([[2]], np.int32))])
     assert not isinstance(beams, Exception)
+
+
+def test_guides_are_refused_by_name_where_the_engine_has_none(tokenizer):
+    """A TensorRT-LLM engine built with guided decoding off (a tokenizer its grammar engine cannot read): a 400
+    naming the input, not the executor's "GuidedDecoder is not setup"."""
+    off = Preprocessor(tokenizer, LIMITS, guides=GUIDES_OFF)
+    [refused] = off.process([guide("json", "")])
+    assert isinstance(refused, InputError) and refused.field == "guided_decoding_guide_type"
+    [plain] = off.process([request("Pick a number.")])
+    assert not isinstance(plain, Exception)

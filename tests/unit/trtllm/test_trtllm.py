@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -742,3 +743,23 @@ def test_launch_of_a_single_gpu_engine_needs_no_mpirun(tmp_path, monkeypatch, en
     monkeypatch.setattr(container.shutil, "which", lambda name: None)
     assert container.main(["launch", str(tmp_path)]) == 0
     assert ran[0][0] == CONTAINER_BINARY
+
+
+def test_the_engine_build_in_the_image_mounts_the_build_model_and_engine_folders(tmp_path, monkeypatch):
+    """The engine built in the image must land where the host's build renders its configs to look for it."""
+    from tritonllm.build import builder
+
+    project, outside = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    build_dir, model_dir, engine_dir = outside / "build", outside / "model", outside / "build" / "engines" / "e"
+    monkeypatch.chdir(project)
+    monkeypatch.setattr(TrtllmApi, "load", classmethod(lambda cls: (_ for _ in ()).throw(ImportError("no"))))
+    monkeypatch.setattr(docker, "host_problems", lambda gpus_needed: [])
+    ran = []
+    monkeypatch.setattr(builder.subprocess, "run", lambda command: ran.append(command) or SimpleNamespace(returncode=0))
+    args = builder.parse_args(["--engine", "trtllm"])
+    builder.build_trtllm_engine(model_dir, engine_dir, build_dir, args, ["--engine", "trtllm"])
+    (command,) = ran
+    mounts = {command[i + 1] for i, arg in enumerate(command) if arg == "-v"}
+    for folder in (project, build_dir, model_dir):
+        assert f"{folder.resolve()}:{folder.resolve()}" in mounts
