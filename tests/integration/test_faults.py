@@ -20,6 +20,7 @@ from client import GenerationError, generate, infer_inputs, request_tensors, str
 from tests.conftest import BUILD, ROOT
 from tests.integration.test_streaming import wait_for_in_flight
 from tritonllm.launch.tritonserver import free_port, http_ready
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -72,7 +73,9 @@ class Serve:
 
     def engine_stub_pid(self) -> int:
         server = str(self.tritonserver_pid())
-        out = subprocess.run(["pgrep", "-a", "-f", "tensorrt_llm/1/model.py"], capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["pgrep", "-a", "-f", f"{DECOUPLED_ENGINE_MODEL}/1/model.py"], capture_output=True, text=True
+        ).stdout
         for line in out.splitlines():
             if server in line.split():
                 return int(line.split()[0])

@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 from client import generate, infer_inputs, request_tensors
 from tests.integration.test_server import loads_torch
 from tests.integration.test_streaming import wait_for_in_flight
-from tritonllm.protocol import MAX_WORD_BYTES
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, MAX_WORD_BYTES
 
 pytestmark = pytest.mark.integration
 QUESTION = "What is the capital of France?"
@@ -203,7 +203,8 @@ def test_server_busy_is_429_and_cancels_the_refused_choices_siblings(api, model,
     """More requests than the engine admits (max_batch_size + max_queue_size): the next one is refused,
     streamed or not. Choices run together, so one refused must cancel its admitted siblings, which
     would otherwise hold the engine's places until max_tokens."""
-    config = urllib.request.urlopen(f"http://{server.http_url}/v2/models/tensorrt_llm/config", timeout=30).read()
+    engine = f"http://{server.http_url}/v2/models/{DECOUPLED_ENGINE_MODEL}/config"  # the engine admits
+    config = urllib.request.urlopen(engine, timeout=30).read()
     capacity = int(re.search(rb'"max_batch_size":\s*(\d+)', config).group(1))
     capacity += int(re.search(rb'"max_queue_size":\{"string_value":"(\d+)"', config).group(1))
     clients = []

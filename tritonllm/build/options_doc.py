@@ -45,7 +45,7 @@ def render() -> str:
         "",
         '`make build BUILD_ARGS="..."` (or `build_engines.py ...`, `tritonllm build ...`) takes these. The portable',
         "engine's options are the fields of `EngineConfig` (`tritonllm/engine/api.py`): the build resolves them for",
-        "the device and writes them to `tensorrt_llm/1/engine.json`, which the engine model loads.",
+        "the device and writes them to the engine model's `engine.json` (`tensorrt_llm_decoupled/1/`), which it loads.",
         '"auto" is decided at build time from the device; "derived" comes from the model or another option.',
     ]
     for group in parser._action_groups:

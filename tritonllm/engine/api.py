@@ -151,7 +151,8 @@ class Emission:
         return dataclasses.replace(later, token_ids=earlier.token_ids + later.token_ids, log_probs=log_probs)
 
 
-ENGINE_CONFIG_FILE = "engine.json"  # beside the engine model: tensorrt_llm/1/engine.json, as the build writes it
+# Beside the engine model, as the build writes it: tensorrt_llm_decoupled/1/ (tensorrt_llm/1/ when decoupled).
+ENGINE_CONFIG_FILE = "engine.json"
 
 
 @dataclass(frozen=True)
