@@ -584,3 +584,23 @@ def test_a_request_parameter_no_model_reads_is_refused_by_name(pb_utils):
         input_arrays(request)
     assert err.value.field == "lora_task_id"
     assert set(input_arrays(fake_pb_utils.Request({"x": np.zeros(1)}, parameters={"priority": 1}))) == {"x"}
+
+
+def test_num_output_tokens_counts_the_output_ids_as_tensorrt_llm_does(model, pb_utils):
+    """fillTritonResponse writes the size of the output ids it returns: the prompt's too in a whole answer that
+    includes it (exclude_input_in_output false), each response's own when streaming."""
+    counts = {"return_num_output_tokens": np.array([[True]]), "return_num_input_tokens": np.array([[True]])}
+    whole = request(pb_utils, [1, 2, 3], exclude_input_in_output=np.array([[False]]), **counts)
+    model.execute([whole])
+    model.engine.emit("e0", Emission([5, 6], FINISH_EOS))
+    [(response, _)] = whole.sender.sent
+    count = pb_utils.get_output_tensor_by_name(response, "num_output_tokens").as_numpy()
+    assert output_ids(pb_utils, response) == [[[1, 2, 3, 5, 6]]] and count.tolist() == [[5]]
+    stream = request(pb_utils, [1, 2, 3], **counts, **STREAMING)
+    model.execute([stream])
+    model.engine.emit("e1", Emission([5]))
+    model.engine.emit("e1", Emission([6, 7], FINISH_LENGTH))
+    per_response = [
+        pb_utils.get_output_tensor_by_name(r, "num_output_tokens").as_numpy().tolist() for r, _ in stream.sender.sent
+    ]
+    assert per_response == [[[1]], [[2]]]

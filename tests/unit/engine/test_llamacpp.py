@@ -4,6 +4,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ from tests.conftest import BUILD
 from tests.unit.engine.conftest import chat_ids
 from tests.unit.engine.test_cpu_engines import make_engine
 from tritonllm.build.model_source import default_model_file, retype_gguf
-from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, TRANSFORMERS, EngineConfig, GenerationRequest
+from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, TRANSFORMERS, EngineConfig, GenerationRequest, Penalties
 from tritonllm.errors import ConfigError, InputError
 from tritonllm.protocol import FINISH_LENGTH
 
@@ -239,3 +240,16 @@ def test_another_engines_options_are_refused_not_ignored(manifest, impl, option,
 def test_llamacpp_needs_a_gguf_model(manifest):
     with pytest.raises(ConfigError, match="needs a GGUF model"):
         EngineConfig(manifest["model_dir"], impl=LLAMACPP, device="cpu").resolve()
+
+
+def test_the_greedy_path_keeps_the_end_id_out_before_min_tokens():
+    """TensorRT-LLM's default minimum length of 1 on NVIDIA's interface: the greedy path, which runs no
+    logits processor, takes the next best token instead of the end id, only while fewer than min_tokens."""
+    from tritonllm.engine.llamacpp import greedy_token
+
+    scores = np.array([0.1, 3.0, 2.0, 0.5], np.float32)  # the end id, 1, is the argmax
+    request = GenerationRequest([7], 4, end_id=1, penalties=Penalties(min_tokens=1))
+    assert greedy_token(scores, 1, request, []) == 2
+    assert greedy_token(scores, 1, request, [2]) == 1, "min_tokens reached: the end id may come"
+    assert greedy_token(scores, 1, GenerationRequest([7], 4, end_id=1), []) == 1, "min_tokens 0"
+    assert scores[1] == 3.0, "the logits row is left as it was"
