@@ -237,7 +237,7 @@ def test_bad_input_is_a_clear_400(url, case):
     [
         ("temperature", np.array([[-1.0]], np.float32), "FP32", "temperature"),
         ("temperature", np.array([[np.nan]], np.float32), "FP32", "temperature"),
-        ("top_p", np.array([[0.0]], np.float32), "FP32", "top_p"),
+        ("top_p", np.array([[-0.5]], np.float32), "FP32", "top_p"),  # 0 is unset, as in TensorRT-LLM
         ("top_k", np.array([[-3]], np.int32), "INT32", "top_k"),
         ("end_id", np.array([[10**7]], np.int32), "INT32", "end_id"),
         ("max_tokens_typo", np.array([[1]], np.int32), "INT32", "max_tokens_typo"),

@@ -57,5 +57,5 @@ def test_streamed_text_equals_the_ensembles_and_the_decoded_tokens(synthetic, to
 
 
 def test_a_control_it_cannot_honour_is_refused_by_name(synthetic):
-    with pytest.raises(GenerationError, match="temperature"):
-        generate("Hello", 8, url=synthetic.http_url, temperature=0.7)
+    with pytest.raises(GenerationError, match="temperature"):  # a temperature alone is greedy: top_p samples
+        generate("Hello", 8, url=synthetic.http_url, temperature=0.7, top_p=0.9)
