@@ -40,8 +40,10 @@ class ApiKey:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"").decode("latin-1").removeprefix("Bearer ").strip()
-            if not secrets.compare_digest(given, self.key):
+            given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
+            # Bytes, not text: compare_digest refuses a str that is not ASCII (a TypeError, a 500), and an HTTP
+            # header may carry any byte (obs-text); the key is compared as UTF-8, whatever it holds.
+            if not secrets.compare_digest(given, self.key.encode()):
                 error = APIError(ErrorKind.UNAUTHORIZED, "Incorrect or missing API key", code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return

@@ -72,8 +72,9 @@ class Generator:
             prompt = prompt[len(tokenizer.bos_token) :]
         return prompt
 
-    def budget(self, prompt: str, requested: int | None, param: str) -> int:
-        """max_tokens for this prompt: the request's, checked against the context, or all the room left."""
+    def budget(self, prompt: str, requested: int | None, param: str, prompt_param: str) -> int:
+        """max_tokens for this prompt: the request's (the body's `param`), checked against the context, or all the
+        room left; an over-long prompt is refused naming `prompt_param` (completions' `prompt`, chat's `messages`)."""
         settings = self.settings
         prompt_tokens = len(self.tokenizer(prompt)["input_ids"])  # as the preprocessing model counts them
         if prompt_tokens > settings.max_input_len:
@@ -81,7 +82,7 @@ class Generator:
                 ErrorKind.INVALID_INPUT,
                 f"The prompt is {prompt_tokens} tokens; this model takes at most "
                 f"{settings.max_input_len} input tokens.",
-                param="messages" if param != "max_tokens" else "prompt",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         room = settings.max_seq_len - prompt_tokens

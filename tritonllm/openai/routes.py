@@ -76,7 +76,7 @@ async def completions(generator: Generator, body: CompletionRequest):
     prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
     if not prompts or not all(prompts):
         raise invalid("prompt", "must be a non-empty string or list of non-empty strings")
-    limits = [generator.budget(p, body.max_tokens, "max_tokens") for p in prompts]
+    limits = [generator.budget(p, body.max_tokens, "max_tokens", "prompt") for p in prompts]
     check_min_tokens(body, limits)
     texts = generator.token_texts
     echoes = [p if body.echo else "" for p in prompts]  # choice i echoes prompt i // n
@@ -196,7 +196,7 @@ async def chat_completions(generator: Generator, body: ChatRequest):
     except Exception as exc:
         raise invalid("messages", f"the messages do not fit the model's chat template: {exc}") from None
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    limit = generator.budget(prompt, body.max_completion_tokens or body.max_tokens, param)
+    limit = generator.budget(prompt, body.max_completion_tokens or body.max_tokens, param, "messages")
     check_min_tokens(body, [limit])
     texts = generator.token_texts
     model = generator.settings.model_name

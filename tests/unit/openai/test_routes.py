@@ -379,3 +379,41 @@ def test_a_template_with_tool_support_renders_them_itself(tmp_path):
     assert prompt.startswith('TOOLS:[{"type": "function", "function": {"name": "add"}}]')
     assert 'CALL:{"name": "add", "arguments": {"a": 1}}' in prompt and "tool:2" in prompt
     assert "<tools>" not in prompt
+
+
+def test_an_over_long_prompt_is_refused_naming_what_the_client_sent(layer, triton):
+    """Chat names `messages` (also without max_completion_tokens), completions name `prompt`."""
+    long = "word " * 600  # over max_input_len 512
+    refused(
+        layer,
+        lambda client: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}]),
+        "messages",
+    )
+    refused(layer, lambda client: client.completions.create(model=MODEL, prompt=long), "prompt")
+    assert triton.requests == []
+
+
+@pytest.mark.parametrize("header", [b"Bearer \xe9", "Bearer clé".encode(), b"Bearer wrong", b""])
+def test_a_wrong_api_key_is_401_whatever_bytes_it_holds(tokenizer_dir, triton, header):
+    """An HTTP header may carry any byte; compared as text, a non-ASCII one made compare_digest raise (a 500)."""
+    import asyncio
+
+    import httpx2
+
+    from tritonllm.openai.app import create_app
+    from tritonllm.openai.generation import Generator
+    from tritonllm.openai.models import Settings
+
+    settings = Settings("unused:0", tokenizer_dir, MODEL, max_input_len=512, max_seq_len=1024, api_key="clef")
+    generator = Generator(settings)
+    generator._client = triton
+    app = create_app(settings, generator)
+
+    async def get(value: bytes) -> int:
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://test") as http:
+            headers = [(b"authorization", value)] if value else []
+            return (await http.get("/v1/models", headers=headers)).status_code
+
+    assert asyncio.run(get(header)) == 401
+    assert asyncio.run(get(b"Bearer clef")) == 200
