@@ -335,5 +335,6 @@ class StreamingModel:
                 log_error(f"tensorrt_llm_bls: stopping engine request {request_id}: {response.error().message()}")
 
     def finalize(self) -> None:
-        self.workers.shutdown(wait=True, cancel_futures=True)
+        # Queued requests are served too: each is owed a final response, which a cancelled one never gets.
+        self.workers.shutdown(wait=True)
         self.outbox.close()

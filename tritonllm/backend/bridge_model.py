@@ -117,4 +117,5 @@ class BridgeModel:
         return answer
 
     def finalize(self) -> None:
-        self.workers.shutdown(wait=True, cancel_futures=True)
+        # Queued requests are served too: each is owed a final response, which a cancelled one never gets.
+        self.workers.shutdown(wait=True)

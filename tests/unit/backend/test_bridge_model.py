@@ -100,3 +100,22 @@ def test_what_only_the_decoupled_deployment_serves_is_refused_naming_it(face, pb
     assert ErrorKind.of_message(error.message()) is ErrorKind.INVALID_INPUT
     assert field in error.message() and "--decoupled-mode" in error.message()
     assert pb_utils.bls_requests == [], "nothing reached the engine"
+
+
+def test_unloading_answers_every_request_it_took(face, pb_utils):
+    """Requests still queued for a worker when the model is unloaded get their answers: a cancelled future would
+    leave its client without a final response."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    face.workers = ThreadPoolExecutor(1)
+
+    def slow(request):
+        time.sleep(0.05)
+        return engine_answer([5])
+
+    pb_utils.bls_handler = slow
+    requests = [ask(pb_utils, [[1, 2]], ["output_ids"]) for _ in range(3)]
+    face.execute(requests)
+    face.finalize()
+    assert all(len(r.sender.sent) == 1 and r.sender.closed for r in requests)
