@@ -281,13 +281,11 @@ class StreamingModel:
         whole = _Whole()
         stopping = False
         state.engine_id = request_id  # before the call: it returns with the engine's first response only
+        last = None  # with perf: the engine's latest response, whose perf metrics are the request's
         for response in exec_decoupled(request, state.iterators):
             state.answered = True
-            if perf:  # on the engine's final response, which a stopped request still waits for
-                for name in PERF_OUTPUTS:
-                    tensor = pb_utils.get_output_tensor_by_name(response, name)
-                    if tensor is not None:
-                        whole.perf[name] = np.array(tensor.as_numpy()).reshape(1, 1)  # a copy
+            if perf and not response.has_error():
+                last = response
             if stopping:
                 if response.has_error():
                     break  # an error ends the request: nothing more will come
@@ -319,6 +317,11 @@ class StreamingModel:
                 stopping = True
         if state.cancelled:
             raise _Cancelled
+        # Read once, from the final response, which a stopped request still waits for (every response has them).
+        for name in PERF_OUTPUTS if last is not None else ():
+            tensor = pb_utils.get_output_tensor_by_name(last, name)
+            if tensor is not None:
+                whole.perf[name] = np.array(tensor.as_numpy()).reshape(1, 1)  # a copy
         return whole
 
     def _stop_engine(self, state: _Request) -> None:

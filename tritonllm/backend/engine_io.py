@@ -268,36 +268,31 @@ class RowTimes:
 
 
 def perf_outputs(
-    input_tokens: list[int],
-    generated: list[int],
-    cached: list[int],
-    arrival: float,
-    times: list[RowTimes | None],
+    input_tokens: int, generated: int, cached: int, arrival: float, times: RowTimes | None
 ) -> dict[str, np.ndarray]:
-    """TensorRT-LLM's return_perf_metrics outputs (protocol.PERF_OUTPUTS), one row per request row.
+    """TensorRT-LLM's return_perf_metrics outputs (protocol.PERF_OUTPUTS) of one generation, each [1, 1].
 
     KV cache counts: the portable engine's blocks are one token each; a request holds its prompt's cells and one
     per generated token but the last (never fed back); `cached` of them were an earlier request's (the prefix
     cache). Times: nanoseconds of the steady clock (CLOCK_MONOTONIC, as the executor's), 0 for one not known (the
     transformers engine does not report when it scheduled a request). No speculative decoding: 0 draft tokens."""
-    total = [prompt + max(made - 1, 0) for prompt, made in zip(input_tokens, generated, strict=True)]
-    new = [t - c for t, c in zip(total, cached, strict=True)]
-    rows = [t or RowTimes() for t in times]
+    total = input_tokens + max(generated - 1, 0)
+    times = times or RowTimes()
 
     def ns(seconds: float | None) -> int:
         return 0 if seconds is None else round(seconds * 1e9)
 
-    columns = {
-        **dict(zip(KV_CACHE_OUTPUTS, (new, cached, total), strict=True)),
-        "arrival_time_ns": [ns(arrival)] * len(rows),
-        "first_scheduled_time_ns": [ns(t.scheduled) for t in rows],
-        "first_token_time_ns": [ns(t.first_token) for t in rows],
-        "last_token_time_ns": [ns(t.last_token) for t in rows],
-        "acceptance_rate": [0.0] * len(rows),
-        "total_accepted_draft_tokens": [0] * len(rows),
-        "total_draft_tokens": [0] * len(rows),
+    values = {
+        **dict(zip(KV_CACHE_OUTPUTS, (total - cached, cached, total), strict=True)),
+        "arrival_time_ns": ns(arrival),
+        "first_scheduled_time_ns": ns(times.scheduled),
+        "first_token_time_ns": ns(times.first_token),
+        "last_token_time_ns": ns(times.last_token),
+        "acceptance_rate": 0.0,
+        "total_accepted_draft_tokens": 0,
+        "total_draft_tokens": 0,
     }
-    return {name: np.asarray(columns[name], dtype=PERF_DTYPES[name]).reshape(-1, 1) for name in PERF_OUTPUTS}
+    return {name: np.full((1, 1), values[name], dtype=PERF_DTYPES[name]) for name in PERF_OUTPUTS}
 
 
 # The numpy types of the outputs, as model_repository/_shared/tensorrt_llm_io.pbtxt declares them.

@@ -68,6 +68,8 @@ class _Call:
     wanted: set[str] | None  # the outputs the request asked for (triton_glue.requested_outputs)
     arrival: float = field(default_factory=time.perf_counter)  # the steady clock, as TensorRT-LLM's times
     open: int = 0  # generations not yet answered in full: the response that answers the last is FINAL
+    # Whether responses carry batch_index, sequence_index: as TensorRT-LLM's backend, where there is more than one.
+    indexed: tuple[bool, bool] = (False, False)
     closed: bool = False
 
 
@@ -162,6 +164,10 @@ class EngineModel:
                 )
                 call.generations = [_Generation(call, g.request, g.batch_index, g.sequence_index) for g in generations]
                 call.open = len(call.generations)
+                call.indexed = (
+                    any(g.batch_index for g in generations),
+                    any(g.sequence_index for g in generations),
+                )
             except Exception as exc:
                 kind = "server_busy" if isinstance(exc, ServerBusy) else "invalid_input"
                 self._finished.put(("error", kind))
@@ -179,11 +185,8 @@ class EngineModel:
         return None
 
     def _refused(self, call: _Call, exc: Exception) -> None:
-        """A generation the engine did not take: those it took are cancelled, and the request ends once, with `exc`.
-
-        Nothing was sent for the call before: the engine's emissions come from its own thread, after this one's
-        submits, and a cancelled call sends nothing more.
-        """
+        """A generation the engine did not take: those it took are cancelled, and the request ends with `exc`; the
+        closed call sends nothing more (a generation taken before may have been answered already)."""
         self._close(call)
         self._finished.put(("error", "invalid_input" if isinstance(exc, ValueError) else "generation_failed"))
         call.sender.send(error_response(exc), flags=FINAL)
@@ -278,17 +281,12 @@ class EngineModel:
         if call.perf:  # on every response, as TensorRT-LLM's executor: the counts and times so far
             outputs.update(
                 perf_outputs(
-                    [len(request.input_ids)],
-                    [generation.generated],
-                    [generation.cached],
-                    call.arrival,
-                    [generation.times],
+                    len(request.input_ids), generation.generated, generation.cached, call.arrival, generation.times
                 )
             )
-        # As TensorRT-LLM's backend: each index only where there is more than one.
-        if any(g.batch_index for g in call.generations):
+        if call.indexed[0]:
             outputs["batch_index"] = np.array([[generation.batch_index]], dtype=np.int32)
-        if any(g.sequence_index for g in call.generations):
+        if call.indexed[1]:
             outputs["sequence_index"] = np.array([[generation.sequence_index]], dtype=np.int32)
         return outputs
 

@@ -62,9 +62,9 @@ def model_folders(templates: Path, flavor: str, decoupled_mode: bool = False) ->
     """Model name -> template folder: `_flavors/<flavor>/<model>` replaces the default folder of that model, and
     `_modes/decoupled/<model>` replaces it in the decoupled deployment; folders are named as `model_names` says."""
     folders = {p.name: p for p in templates.iterdir() if p.is_dir() and not p.name.startswith("_")}
-    for overrides in (templates / "_flavors" / flavor, templates / "_modes" / "decoupled"):
-        if overrides.is_dir() and (decoupled_mode or overrides.parent.name != "_modes"):
-            folders.update({p.name: p for p in overrides.iterdir() if p.is_dir()})
+    overlays = [templates / "_flavors" / flavor] + ([templates / "_modes" / "decoupled"] if decoupled_mode else [])
+    for overrides in (o for o in overlays if o.is_dir()):
+        folders.update({p.name: p for p in overrides.iterdir() if p.is_dir()})
     names = model_names(decoupled_mode)
     named = {names.get(folder, folder): path for folder, path in folders.items()}
     return dict(sorted((name, path) for name, path in named.items() if name is not None))
