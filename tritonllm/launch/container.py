@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tritonllm.build import builder
 from tritonllm.build.repository import stale_build
-from tritonllm.launch.tritonserver import CONTAINER_BINARY, probe_engine, server_command
+from tritonllm.launch.tritonserver import CONTAINER_BINARY, admin_key, probe_engine, server_command
 from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
 from tritonllm.trtllm.engine_dir import EngineError, EngineInfo, check_version, read_engine
 
@@ -63,7 +63,7 @@ def launch(build_dir: Path, exit_timeout: int) -> None:
         address="0.0.0.0",
         ports=PORTS,
         build_options=manifest.get("server_options", []),
-        admin_key=os.environ.get("TRITONLLM_ADMIN_KEY"),
+        admin_key=admin_key("0.0.0.0", os.environ.get("TRITONLLM_ADMIN_KEY"), "launch"),
         exit_timeout=exit_timeout,
         world_size=world_size,
         engine_model=manifest.get("engine_model", DECOUPLED_ENGINE_MODEL),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -13,12 +12,11 @@ from pathlib import Path
 
 from tritonllm.build.repository import stale_build
 from tritonllm.launch.tritonserver import (
-    ADMIN_HEADER,
     OpenAIFrontend,
     ServerError,
     TritonServer,
     add_address_options,
-    is_loopback,
+    admin_key,
     probe_engine,
 )
 
@@ -28,8 +26,9 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def supervise(server: TritonServer, interval: float) -> int:
-    """Wait on tritonserver; restart it when its engine stops answering.
+def supervise(server: TritonServer, interval: float, load_timeout: float) -> int:
+    """Wait on tritonserver; restart it when its engine stops answering (waiting for the models as the first start
+    did, `load_timeout` seconds).
 
     tritonserver 2.51 neither restarts a Python-backend stub that died nor stops reporting ready,
     and requests waiting on the dead engine would hang: so a probe asks the engine every
@@ -50,7 +49,7 @@ def supervise(server: TritonServer, interval: float) -> int:
                     flush=True,
                 )
                 server.kill()
-                server.start()
+                server.start(timeout=load_timeout)
                 print("serve: tritonserver is ready again", file=sys.stderr, flush=True)
                 failures = 0
             continue
@@ -90,13 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if manifest is not None and (why := stale_build(manifest)):
         print(f"serve: {repository.parent}: {why}: run `make build` again", file=sys.stderr)
         return 2
-    if not args.admin_key and not is_loopback(args.host):
-        args.admin_key = secrets.token_urlsafe(24)
-        print(
-            f"serve: listening on {args.host}: the administrative APIs need header {ADMIN_HEADER}: "
-            f"{args.admin_key} (set TRITONLLM_ADMIN_KEY to choose it)",
-            flush=True,
-        )
+    args.admin_key = admin_key(args.host, args.admin_key, "serve")
     server = TritonServer(
         repository,
         repository.parent / "tritonserver",
@@ -139,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"  OpenAI-compatible API: {frontend.url}/v1, model `{frontend.served_name}`")
         lines.append("Ctrl-C stops the server.\n")
         print("\n".join(lines), flush=True)
-        return supervise(server, args.watchdog_seconds)
+        return supervise(server, args.watchdog_seconds, args.load_timeout)
     except ServerError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 1

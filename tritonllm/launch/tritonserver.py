@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -293,6 +294,20 @@ def restricted_api_flags(key: str | None) -> list[str]:
 
 def is_loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def admin_key(host: str, given: str | None, who: str) -> str | None:
+    """The key the administrative APIs need: the one given, or when the server listens beyond loopback, a random
+    one, printed (`who` says which launcher), so that no address reachable from outside serves them open."""
+    if given or is_loopback(host):
+        return given or None
+    key = secrets.token_urlsafe(24)
+    print(
+        f"{who}: listening on {host}: the administrative APIs need header {ADMIN_HEADER}: {key} "
+        "(set TRITONLLM_ADMIN_KEY to choose it)",
+        flush=True,
+    )
+    return key
 
 
 def probe_engine(grpc_url: str, engine_model: str = ENGINE_MODEL, timeout: float = 10.0) -> str | None:
