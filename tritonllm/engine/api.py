@@ -338,7 +338,7 @@ def check_request(request: GenerationRequest) -> None:
     here, where an in-process caller's mistake (a tokenizer's whole output, say) would otherwise reach the step
     loop and fail every request in it."""
     ids = request.input_ids
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
+    if not isinstance(ids, list) or not ids:  # a tuple too: the engines join the prompt to lists of tokens
         raise InputError("input_ids", f"must be a non-empty list of token ids, got {type(ids).__name__}")
     if not all(isinstance(token, numbers.Integral) for token in ids):
         raise InputError("input_ids", "must be a list of integer token ids")

@@ -208,7 +208,9 @@ def test_a_request_longer_than_the_sequence_limit_is_refused(engine):
         engine.submit(GenerationRequest([1] * 10, 1015), lambda e: None)
 
 
-@pytest.mark.parametrize("prompt", [{"input_ids": [1, 2], "attention_mask": [1, 1]}, "hello", [], [[1, 2]], [1.5]])
+@pytest.mark.parametrize(
+    "prompt", [{"input_ids": [1, 2], "attention_mask": [1, 1]}, "hello", [], [[1, 2]], [1.5], (1, 2)]
+)
 def test_a_prompt_that_is_not_a_list_of_token_ids_is_refused_and_the_loop_goes_on(engine, prompt):
     """A tokenizer's whole output passed in-process used to reach the step loop and stop it for every request."""
     with pytest.raises(InputError, match="input_ids"):
