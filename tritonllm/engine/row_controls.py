@@ -20,10 +20,6 @@ from tritonllm.engine.guided import Follower
 from tritonllm.engine.logits import MIN_TEMPERATURE, penalise, sample, step_seed
 from tritonllm.protocol import MAX_TOP_LOG_PROBS
 
-# torch serves single rows here, between llama.cpp's steps: a thread team of its own would only contend with
-# llama.cpp's for the cores.
-torch.set_num_threads(1)
-
 
 class RowControls:
     """A request's control state: its dense bias row, its token counts, its sampling parameters, its grammar."""
@@ -64,7 +60,19 @@ class RowControls:
 
     def choose(self, row: np.ndarray, generated: Sequence[int]) -> tuple[int, TokenLogProbs | None]:
         """The next token from the model's logit row (float32 [vocab]) and, when asked, its log probabilities;
-        `generated`: the request's tokens so far. The row is not modified."""
+        `generated`: the request's tokens so far. The row is not modified.
+
+        torch serves one row here, between llama.cpp's steps, on one thread: a thread team of its own would only
+        contend with llama.cpp's for the cores. The count is set for the call and restored (a fraction of a
+        microsecond), not for the process, where a transformers engine may run too (the tests do)."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._choose(row, generated)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _choose(self, row: np.ndarray, generated: Sequence[int]) -> tuple[int, TokenLogProbs | None]:
         request = self.request
         scores = torch.from_numpy(row[: self.vocab_size]).unsqueeze(0)
         log_probs = scores.log_softmax(dim=-1) if request.log_probs >= 0 else None
