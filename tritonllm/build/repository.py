@@ -5,7 +5,9 @@ unfilled, a value that no template uses, a config that does not parse into Trito
 `ModelConfig` message, or an ensemble whose wiring does not hold is an error naming the model
 and the field, and nothing is written. Folders of `model_repository/` starting with "_" are not
 models: `_shared/<name>.pbtxt` fills `${<name>}` wherever it appears, and
-`_flavors/<flavor>/<model>/` replaces `<model>/` for that engine flavor (e.g. trtllm), and
+`_flavors/<flavor>/<model>/` replaces `<model>/` for that engine flavor (e.g. trtllm), as
+`_flavors/<flavor>/_shared/<name>.pbtxt` replaces a fragment (the portable engine's additions, which the
+TensorRT-LLM flavor does not declare), and
 `_modes/decoupled/<model>/` replaces it in NVIDIA's decoupled deployment (`model_names` says how the two
 deployments name the engine's models).
 """
@@ -64,7 +66,7 @@ def model_folders(templates: Path, flavor: str, decoupled_mode: bool = False) ->
     folders = {p.name: p for p in templates.iterdir() if p.is_dir() and not p.name.startswith("_")}
     overlays = [templates / "_flavors" / flavor] + ([templates / "_modes" / "decoupled"] if decoupled_mode else [])
     for overrides in (o for o in overlays if o.is_dir()):
-        folders.update({p.name: p for p in overrides.iterdir() if p.is_dir()})
+        folders.update({p.name: p for p in overrides.iterdir() if p.is_dir() and not p.name.startswith("_")})
     names = model_names(decoupled_mode)
     named = {names.get(folder, folder): path for folder, path in folders.items()}
     return dict(sorted((name, path) for name, path in named.items() if name is not None))
@@ -74,7 +76,9 @@ def render_configs(
     values: dict[str, str], templates: Path = TEMPLATES, flavor: str = "portable", decoupled_mode: bool = False
 ) -> dict[str, tuple[str, mc.ModelConfig]]:
     """Model name -> (config text, parsed config), after all checks."""
-    fragments = {p.stem: p.read_text() for p in sorted((templates / "_shared").glob("*.pbtxt"))}
+    fragments = {}
+    for shared in (templates / "_shared", templates / "_flavors" / flavor / "_shared"):
+        fragments.update({p.stem: p.read_text() for p in sorted(shared.glob("*.pbtxt"))})
     overlap = fragments.keys() & values.keys()
     if overlap:
         raise RepositoryError(f"values {sorted(overlap)} clash with the shared fragments of the same name")

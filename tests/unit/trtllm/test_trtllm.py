@@ -8,6 +8,7 @@ makes into tensorrt_llm's API (through a recording stand-in), and the docker/MPI
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -30,7 +31,7 @@ from tritonllm.launch.tritonserver import (
     RESTRICTED_APIS,
     server_command,
 )
-from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL, PORTS
 from tritonllm.trtllm import docker
 from tritonllm.trtllm.engine_build import TrtllmApi, TrtllmBuildError, TrtllmBuildOptions, build_engine
 from tritonllm.trtllm.engine_dir import EngineError, check_version, read_engine
@@ -233,16 +234,49 @@ def test_the_build_writes_the_tokenizer_info_where_the_config_points(engine_dir,
     assert manifest["kv_cache_block_tokens"] == 32  # the OpenAI layer's unit of kv_cache_reused_blocks
 
 
+PORTABLE_ADDITIONS = {"num_top_log_probs", "top_log_probs", "top_log_prob_ids"}
+
+
+@pytest.mark.parametrize("decoupled_mode", [False, True])
+def test_no_trtllm_model_declares_the_portable_engines_additions(engine_dir, tokenizer_dir, decoupled_mode):
+    """The C++ backend computes none of them: every model refuses them by name, in both deployments (the decoupled
+    ensemble maps its engine step to the C++ model itself)."""
+    plan = dataclasses.replace(plan_trtllm(tokenizer_dir, engine_dir, args()), decoupled_mode=decoupled_mode)
+    configs = render_configs(plan.template_values(), flavor="trtllm", decoupled_mode=decoupled_mode)
+    for name, (_, config) in configs.items():
+        tensors = {t.name for t in [*config.input, *config.output]}
+        assert not tensors & PORTABLE_ADDITIONS, name
+    from tests.unit.build.test_repository import DECOUPLED_VALUES, VALUES
+
+    portable = render_configs(DECOUPLED_VALUES if decoupled_mode else VALUES, decoupled_mode=decoupled_mode)
+    for name in ("ensemble", "tensorrt_llm_bls", ENGINE_MODEL):
+        tensors = {t.name for t in [*portable[name][1].input, *portable[name][1].output]}
+        assert tensors >= PORTABLE_ADDITIONS, name
+
+
 def test_client_facing_io_is_identical_in_both_flavors(engine_dir, tokenizer_dir):
     trt = {n: c for n, (_, c) in render_configs(trtllm_values(engine_dir, tokenizer_dir), flavor="trtllm").items()}
     from tests.unit.build.test_repository import VALUES
 
     portable = {n: c for n, (_, c) in render_configs(VALUES).items()}
     assert set(trt) == set(portable)
+
+    def shared(tensors) -> list:
+        return [t for t in tensors if t.name not in PORTABLE_ADDITIONS]
+
     for name in ("ensemble", "tensorrt_llm_bls"):
-        assert list(trt[name].input) == list(portable[name].input)
-        assert list(trt[name].output) == list(portable[name].output)
-    assert trt["ensemble"].ensemble_scheduling == portable["ensemble"].ensemble_scheduling
+        assert list(trt[name].input) == shared(portable[name].input)
+        assert list(trt[name].output) == shared(portable[name].output)
+    for trt_step, portable_step in zip(
+        trt["ensemble"].ensemble_scheduling.step, portable["ensemble"].ensemble_scheduling.step, strict=True
+    ):
+        assert trt_step.model_name == portable_step.model_name
+        assert dict(trt_step.input_map) == {
+            k: v for k, v in portable_step.input_map.items() if k not in PORTABLE_ADDITIONS
+        }
+        assert dict(trt_step.output_map) == {
+            k: v for k, v in portable_step.output_map.items() if k not in PORTABLE_ADDITIONS
+        }
     # tensorrt_llm: the shared tensors (_shared/tensorrt_llm_io.pbtxt); the portable engine's additions
     # (_shared/portable_engine_io.pbtxt, e.g. top log probs) are not declared by the C++ backend's model.
     additions = portable_only_tensors()
