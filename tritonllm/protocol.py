@@ -66,7 +66,8 @@ Tensors = list[tuple[str, np.ndarray, str]]  # (name, value, Triton datatype)
 
 
 # The ensemble's (and tensorrt_llm_bls's) optional one-value inputs: name -> (numpy type, Triton datatype). The
-# names are NVIDIA's reference ensemble's, except the additions apply_chat_template and num_top_log_probs.
+# names are NVIDIA's reference ensemble's, except the additions apply_chat_template, and num_top_log_probs and
+# openai_penalties (the portable engine's: model_repository/_shared/portable_text_io.pbtxt).
 SCALAR_INPUTS: dict[str, tuple[type, str]] = {
     "temperature": (np.float32, "FP32"),
     "top_k": (np.int32, "INT32"),
@@ -82,6 +83,7 @@ SCALAR_INPUTS: dict[str, tuple[type, str]] = {
     "pad_id": (np.int32, "INT32"),
     "return_log_probs": (bool, "BOOL"),
     "num_top_log_probs": (np.int32, "INT32"),
+    "openai_penalties": (bool, "BOOL"),
     "exclude_input_in_output": (bool, "BOOL"),
     "return_num_input_tokens": (bool, "BOOL"),
     "return_num_output_tokens": (bool, "BOOL"),

@@ -116,6 +116,22 @@ def test_penalties_and_min_tokens_equal_transformers_generate(urls, tokenizer, h
         assert out["text_output"].reshape(-1)[0].decode() == tokenizer.decode(generated, skip_special_tokens=True)
 
 
+def test_presence_penalty_counts_the_prompt_unless_openai_penalties(urls):
+    """TensorRT-LLM's rule counts the prompt's tokens, so the penalty already keeps the prompt's words from the
+    first token; OpenAI's (openai_penalties) counts the generated ones only, so the first word is the plain one."""
+    http_url, _ = urls
+    prompt = "one two one two one two one two one"
+
+    def text(**options) -> str:
+        return ensemble(http_url, prompt, 4, chat=False, **options)["text_output"].reshape(-1)[0].decode()
+
+    plain = text()
+    assert plain.startswith(" two"), plain
+    assert not text(presence_penalty=20.0).startswith(" two")
+    openai = text(presence_penalty=20.0, openai_penalties=True)
+    assert openai.startswith(" two") and openai != plain
+
+
 def test_an_embedding_bias_of_minus_infinity_keeps_a_word_out(urls):
     http_url, _ = urls
     plain = ensemble(http_url, "What is the capital of France?", 24)["text_output"].reshape(-1)[0].decode()

@@ -134,6 +134,9 @@ def return_sequences(arrays: dict[str, np.ndarray], row: int) -> int:
 
 
 def penalties(arrays: dict[str, np.ndarray], row: int) -> Penalties:
+    """TensorRT-LLM's penalties (its penalty kernel): presence and frequency count the prompt's tokens too and act
+    on the logits after the temperature, which is the engine's formula before it with both scaled by the
+    temperature. With the addition `openai_penalties`, OpenAI's: the generated tokens only, before it."""
     beam_width = scalar(arrays, "beam_width", row)
     if beam_width is not None and beam_width != 1:
         raise InputError("beam_width", f"the portable engine generates one beam: it must be 1, got {beam_width}")
@@ -146,11 +149,17 @@ def penalties(arrays: dict[str, np.ndarray], row: int) -> Penalties:
         if value is not None and not math.isfinite(value):
             raise InputError(name, f"must be a finite number (0 = none), got {value}")
         values[key] = 0.0 if value is None else float(value)
+    tensorrt_llm_rule = not scalar(arrays, "openai_penalties", row)
+    if tensorrt_llm_rule:
+        temperature = scalar(arrays, "temperature", row)  # checked with the sampling parameters
+        scale = 1.0 if temperature is None else float(temperature)
+        values["presence"], values["frequency"] = scale * values["presence"], scale * values["frequency"]
     min_tokens = scalar(arrays, "min_tokens", row)
     if min_tokens is not None and min_tokens < 0:
         raise InputError("min_tokens", f"must be >= 0, got {min_tokens}")
     # TensorRT-LLM's default minimum length is 1: the end id is never the first token unless min_tokens says 0.
-    return Penalties(**values, min_tokens=DEFAULT_MIN_TOKENS if min_tokens is None else int(min_tokens))
+    min_tokens = DEFAULT_MIN_TOKENS if min_tokens is None else int(min_tokens)
+    return Penalties(**values, min_tokens=min_tokens, count_prompt=tensorrt_llm_rule)
 
 
 def _embedding_bias(arrays: dict[str, np.ndarray], row: int, limits: Limits) -> tuple[tuple[int, float], ...]:

@@ -53,20 +53,23 @@ class Penalties:
 
     repetition: transformers' RepetitionPenaltyLogitsProcessor over the prompt and the generated tokens (a
     seen token's logit is divided by it when positive, multiplied when negative). presence / frequency:
-    OpenAI's formula over the generated tokens (logit -= presence * [count > 0] + frequency * count).
-    min_tokens: the end id is banned until this many tokens are generated (MinNewTokensLengthLogitsProcessor).
+    logit -= presence * [count > 0] + frequency * count, before the temperature, where count is over the generated
+    tokens (OpenAI's rule), or with count_prompt over the prompt's too (TensorRT-LLM's, which applies them after
+    the temperature: tritonllm/backend/engine_io.py scales them for that). min_tokens: the end id is banned until
+    this many tokens are generated (MinNewTokensLengthLogitsProcessor).
     """
 
     repetition: float = 1.0
     presence: float = 0.0
     frequency: float = 0.0
     min_tokens: int = 0
+    count_prompt: bool = False
 
     @property
     def neutral(self) -> bool:
         """No change to the logits. min_tokens is left out: it bans one token at a request's first steps, which
         every engine's greedy path does itself (it is 1 by default on NVIDIA's interface, as in TensorRT-LLM)."""
-        return dataclasses.replace(self, min_tokens=0) == Penalties()
+        return dataclasses.replace(self, min_tokens=0, count_prompt=False) == Penalties()
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,10 @@ class RequestSlots:
         prompt = state.initial_tokens[: prompt_length(state)]
         if "repetition_penalty" in kwargs and prompt:
             self.prompt[slot, torch.tensor(prompt, dtype=torch.long, device=self.device)] = True
+        if kwargs.get("count_prompt") and prompt:
+            self.counts[slot] += torch.bincount(
+                torch.tensor(prompt, dtype=torch.long, device=self.device), minlength=self.vocab_size
+            )
         if bias := kwargs.get("embedding_bias"):
             ids, values = zip(*bias, strict=True)
             self.bias[slot].index_put_(
@@ -176,15 +180,17 @@ class EmbeddingBias(ArgumentGroup):
 
 class Penalties(ArgumentGroup):
     """Repetition (transformers' RepetitionPenaltyLogitsProcessor over the prompt and the generated tokens),
-    presence and frequency (OpenAI's: logit -= presence * [count > 0] + frequency * count over the generated
-    tokens) penalties. Rows: slot, whether the input token is a generated one (then it is counted first), and the
-    three penalties' float32 bits. A step computes the repetition penalty only when a request in it has one, and
-    likewise presence and frequency: each is a few passes over the step's scores."""
+    presence and frequency (logit -= presence * [count > 0] + frequency * count over the generated tokens, and with
+    count_prompt the prompt's: tritonllm.engine.api.Penalties) penalties. Rows: slot, whether the input token is a
+    generated one (then it is counted first), and the three penalties' float32 bits. A step computes the
+    repetition penalty only when a request in it has one, and likewise presence and frequency: each is a few
+    passes over the step's scores."""
 
     kwargs: ClassVar[dict[str, type]] = {
         "repetition_penalty": float,
         "presence_penalty": float,
         "frequency_penalty": float,
+        "count_prompt": bool,  # presence and frequency count the prompt's tokens too (counted when the slot is filled)
     }
     defaults = torch.tensor([[NO_SLOT], [0], *float_bits([[1.0], [0.0], [0.0]]).tolist()], dtype=torch.int32)
     clears_other_rows = True  # a stale row would count its input token again

@@ -351,6 +351,8 @@ def request_kwargs(request: GenerationRequest) -> dict:
         kwargs["presence_penalty"] = float(penalties.presence)
     if penalties.frequency:
         kwargs["frequency_penalty"] = float(penalties.frequency)
+    if penalties.count_prompt and (penalties.presence or penalties.frequency):
+        kwargs["count_prompt"] = True
     if penalties.min_tokens > 0 and request.end_id >= 0:
         kwargs["min_tokens"] = int(penalties.min_tokens)
     if request.embedding_bias:

@@ -43,14 +43,17 @@ class RowControls:
             )
         penalties = request.penalties
         self.counts = self.prompt = self.repetition = self.presence = self.frequency = None
+        prompt = torch.tensor(request.input_ids, dtype=torch.long).clamp(0, vocab_size - 1)
         if penalties.repetition != 1.0 or penalties.presence or penalties.frequency:
             self.counts = torch.zeros(1, vocab_size)
         if penalties.repetition != 1.0:
             self.repetition = torch.tensor([[penalties.repetition]])
             self.prompt = torch.zeros(1, vocab_size, dtype=torch.bool)
-            self.prompt[0, torch.tensor(request.input_ids, dtype=torch.long).clamp(0, vocab_size - 1)] = True
+            self.prompt[0, prompt] = True
         if penalties.presence or penalties.frequency:
             self.presence, self.frequency = torch.tensor([[penalties.presence]]), torch.tensor([[penalties.frequency]])
+            if penalties.count_prompt:
+                self.counts[0] += torch.bincount(prompt, minlength=vocab_size)
         sampling = request.sampling  # the draw's parameters; its seed changes with the position
         self.temperature = torch.tensor([max(sampling.temperature, MIN_TEMPERATURE)])
         self.top_k = torch.tensor([min(sampling.top_k, 2**31 - 1)])

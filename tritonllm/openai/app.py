@@ -124,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         help="without --manifest: the tokenizer class the build recorded (its manifest's tokenizer_class); "
         "default: AutoTokenizer picks it",
     )
+    parser.add_argument(
+        "--trtllm",
+        action="store_true",
+        help="without --manifest: the server runs a TensorRT-LLM engine (no openai_penalties input)",
+    )
     parser.add_argument("--grpc-url", default=f"127.0.0.1:{PORTS['grpc']}", help="the Triton server's gRPC address")
     parser.add_argument("--model-name", help="the name clients use (default: the tokenizer folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -140,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_input_len, args.max_seq_len = manifest["max_input_len"], manifest["max_seq_len"]
         args.kv_cache_block_tokens = manifest.get("kv_cache_block_tokens", 1)
         args.tokenizer_class = manifest.get("tokenizer_class", "")
+        args.trtllm = manifest.get("engine") == "trtllm"
     elif not (args.tokenizer_dir and args.max_input_len and args.max_seq_len):
         parser.error("give --manifest, or --tokenizer-dir with --max-input-len and --max-seq-len")
     settings = Settings(
@@ -150,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_seq_len,
         args.api_key or None,
         kv_cache_block_tokens=args.kv_cache_block_tokens,
+        openai_penalties=not args.trtllm,
         tokenizer_class=args.tokenizer_class,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")

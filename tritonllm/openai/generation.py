@@ -102,7 +102,10 @@ class Generator:
         self, prompt: str, body: SamplingRequest, max_tokens: int, index: int
     ) -> AsyncIterator[Generation]:
         """Stream one choice from Triton: deltas (finish_reason None), then a final Generation."""
-        inputs = infer_inputs(grpcclient, request_tensors(prompt, max_tokens, **body.inputs(index, self.vocab_size)))
+        inputs = infer_inputs(
+            grpcclient,
+            request_tensors(prompt, max_tokens, **body.inputs(index, self.vocab_size, self.settings.openai_penalties)),
+        )
 
         async def requests():
             yield {"model_name": self.settings.triton_model, "inputs": inputs, "request_id": uuid.uuid4().hex}

@@ -229,10 +229,12 @@ class SamplingRequest(Body):
             return 1.0
         return self.top_p
 
-    def inputs(self, choice: int, vocab_size: int) -> dict[str, Any]:
-        """request_tensors' keyword arguments for choice `choice` (its seed is seed + choice)."""
+    def inputs(self, choice: int, vocab_size: int, openai_penalties: bool = True) -> dict[str, Any]:
+        """request_tensors' keyword arguments for choice `choice` (its seed is seed + choice). openai_penalties:
+        the engine takes that input (the portable engine's addition), which keeps OpenAI's penalty rule."""
         log_probs = self.log_probs()
         guide = self.guide()
+        penalised = bool(self.presence_penalty or self.frequency_penalty)
         return {
             "stop": self.stops(),
             "bad_words": self.words(),
@@ -244,6 +246,7 @@ class SamplingRequest(Body):
             "seed": None if self.seed is None else (self.seed + choice) % 2**64,
             "presence_penalty": self.presence_penalty or None,
             "frequency_penalty": self.frequency_penalty or None,
+            "openai_penalties": True if penalised and openai_penalties else None,
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,  # stated: NVIDIA's interface defaults to 1 (no end id first)
             "end_id": -1 if self.ignore_eos else None,
@@ -464,6 +467,9 @@ class Settings:
     api_key: str | None = None
     triton_model: str = STREAMING_MODEL
     kv_cache_block_tokens: int = 1  # the unit of the engine's kv_cache_reused_blocks
+    # The engine takes `openai_penalties` (the portable engine does); the TensorRT-LLM flavor's applies its own
+    # rule to presence_penalty and frequency_penalty (docs/api.md).
+    openai_penalties: bool = True
     tokenizer_class: str = ""  # the build's record of it (tritonllm/text/tokenizer.py); empty: AutoTokenizer picks
 
 

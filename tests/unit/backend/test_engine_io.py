@@ -36,6 +36,30 @@ def test_parse_defaults_are_greedy():
     assert req.penalties.neutral, "min_tokens changes no logits: the engines' greedy paths honour it"
 
 
+@pytest.mark.parametrize("temperature", [None, 0.5, 2.0])
+def test_presence_and_frequency_follow_tensorrt_llms_rule(temperature):
+    """TensorRT-LLM counts the prompt and penalises the logits after the temperature: the engine's formula, which
+    acts before it, with both penalties scaled by the temperature (a greedy request's too: 1 when absent)."""
+    given = {"presence_penalty": np.array([0.8], np.float32), "frequency_penalty": np.array([-0.5], np.float32)}
+    if temperature is not None:
+        given["temperature"] = np.array([temperature], np.float32)
+    [req] = parse_requests(arrays([1, 2], **given), LIMITS)
+    scale = 1.0 if temperature is None else temperature
+    assert (req.penalties.presence, req.penalties.frequency) == (pytest.approx(0.8 * scale), -0.5 * scale)
+    assert req.penalties.count_prompt
+
+
+def test_openai_penalties_keep_openais_rule():
+    given = arrays(
+        [1, 2],
+        presence_penalty=np.array([0.8], np.float32),
+        temperature=np.array([0.5], np.float32),
+        openai_penalties=np.array([True]),
+    )
+    [req] = parse_requests(given, LIMITS)
+    assert req.penalties.presence == pytest.approx(0.8) and not req.penalties.count_prompt
+
+
 def test_num_return_sequences_are_engine_requests_with_their_indices_and_seeds():
     given = arrays([[1, 2], [3, 4]], num_return_sequences=np.array([3, 1], np.int32))
     given.update(runtime_top_p=np.array([0.9, 0.9], np.float32), seed=np.array([7, 7], np.uint64))
@@ -143,7 +167,7 @@ def test_parse_controls():
         0.5,
         -0.25,
     )
-    assert req.penalties.min_tokens == 3
+    assert req.penalties.min_tokens == 3 and req.penalties.count_prompt
     assert req.embedding_bias == ((7, 2.5), (9, -np.inf))
     assert req.log_probs == 4 and (req.guide.type, req.guide.text) == ("regex", "[0-9]+")
 

@@ -41,9 +41,12 @@ def hf_generate(hf_model, ids, n, end_id, **kwargs) -> list[int]:
 
 
 @torch.no_grad()
-def openai_reference(hf_model, ids, n, end_id, presence, frequency) -> list[int]:
-    """Greedy over full forward passes, with OpenAI's presence and frequency penalties on the generated tokens."""
+def openai_reference(hf_model, ids, n, end_id, presence, frequency, count_prompt=False) -> list[int]:
+    """Greedy over full forward passes, with OpenAI's presence and frequency penalties on the generated tokens (and
+    with count_prompt on the prompt's, as TensorRT-LLM counts them)."""
     sequence, counts = list(ids), torch.zeros(hf_model.config.vocab_size)
+    if count_prompt:
+        counts += torch.bincount(torch.tensor(ids), minlength=counts.shape[0]).float()
     out = []
     for _ in range(n):
         logits = hf_model(torch.tensor([sequence])).logits[0, -1].float()
@@ -116,6 +119,15 @@ def test_presence_and_frequency_follow_openais_formula(engine, hf_model, tokeniz
     request = GenerationRequest(ids, N, end_id=eos, penalties=Penalties(presence=presence, frequency=frequency))
     tokens, _ = engine.generate(request, timeout=120)
     assert tokens == openai_reference(hf_model, ids, N, eos, presence, frequency)
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(1.5, 0.0), (0.0, 0.8)])
+def test_count_prompt_counts_the_prompts_tokens(engine, hf_model, tokenizer, prompts, presence, frequency):
+    eos, ids = tokenizer.eos_token_id, prompts["list"]
+    penalties = Penalties(presence=presence, frequency=frequency, count_prompt=True)
+    tokens, _ = engine.generate(GenerationRequest(ids, N, end_id=eos, penalties=penalties), timeout=120)
+    assert tokens == openai_reference(hf_model, ids, N, eos, presence, frequency, count_prompt=True)
+    assert tokens != openai_reference(hf_model, ids, N, eos, presence, frequency), "the prompt changes the text"
 
 
 def test_penalties_then_top_k_one_sampling_is_greedy_with_penalties(engine, tokenizer, prompts):

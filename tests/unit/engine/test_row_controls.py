@@ -1,9 +1,10 @@
-"""The llama.cpp engine's per-row controls on a hand-made logit row."""
+"""The llama.cpp engine's per-row controls on a hand-made logit row: which token each penalty rule picks."""
 
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.conftest import ROOT
 from tritonllm.engine.api import GenerationRequest, Penalties
@@ -24,6 +25,25 @@ def choose(penalties: Penalties, prompt: list[int], generated: list[int]) -> int
     for token in generated:
         controls._accept(token)
     return controls.choose(row(), generated)[0]
+
+
+@pytest.mark.parametrize(
+    ("penalties", "expected"),
+    [
+        (Penalties(presence=1.5), 3),  # OpenAI's rule: the prompt is not counted
+        (Penalties(presence=1.5, count_prompt=True), 5),  # TensorRT-LLM's: it is
+        (Penalties(frequency=0.6, count_prompt=True), 3),  # once: 2.0 - 0.6 > 1.0
+    ],
+)
+def test_presence_and_frequency_count_the_prompt_only_with_count_prompt(penalties, expected):
+    assert choose(penalties, [3, 1], []) == expected
+
+
+def test_frequency_counts_each_occurrence_of_prompt_and_generated_tokens():
+    penalties = Penalties(frequency=0.4, count_prompt=True)
+    assert choose(penalties, [3, 1, 3], []) == 3  # 2.0 - 0.8 > 1.0
+    assert choose(penalties, [3, 1, 3], [3]) == 5  # 2.0 - 1.2 < 1.0
+    assert choose(Penalties(frequency=0.4), [3, 1, 3], [3]) == 3  # the generated one alone: 2.0 - 0.4
 
 
 def test_importing_or_choosing_leaves_torchs_thread_count_as_it_was():

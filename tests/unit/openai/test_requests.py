@@ -115,6 +115,12 @@ def test_top_k_off_is_not_sent(top_k):
 def test_neutral_penalties_are_not_sent():
     inputs = chat(presence_penalty=0, frequency_penalty=0.0).inputs(0, VOCAB)
     assert inputs["presence_penalty"] is None and inputs["frequency_penalty"] is None
+    assert inputs["openai_penalties"] is None
+
+
+def test_penalties_ask_for_openais_rule_where_the_engine_takes_it():
+    assert chat(presence_penalty=0.5).inputs(0, VOCAB)["openai_penalties"] is True
+    assert chat(frequency_penalty=0.5).inputs(0, VOCAB, openai_penalties=False)["openai_penalties"] is None
 
 
 def test_logprobs_without_top_logprobs_asks_for_the_chosen_tokens_only():
