@@ -9,6 +9,9 @@ release line with the TensorRT engine backend (NVIDIA's compatibility matrix; do
 
 TRITON_TAG = "26.07"
 TRTLLM_VERSION = "1.2.1"
+# The xgrammar compiled into that release's C++ runtime (its requirements.txt), which reads the tokenizer-info file
+# the build writes (tritonllm/trtllm/guided_decoding.py; tests/unit/trtllm/test_xgrammar_release.py).
+TRTLLM_XGRAMMAR = "0.1.25"
 TRTLLM_IMAGE = f"nvcr.io/nvidia/tritonserver:{TRITON_TAG}-trtllm-python-py3"
 PORTABLE_IMAGE = f"nvcr.io/nvidia/tritonserver:{TRITON_TAG}-py3"
 
