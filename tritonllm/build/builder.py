@@ -80,6 +80,15 @@ class BuildPlan:
         return GUIDES_COMPILED if self.details.get("guided_decoding", True) else GUIDES_OFF
 
     @property
+    def postprocessing_instances(self) -> int:
+        """One in the decoupled deployment: there the ensemble's outputs come from two steps, the engine's
+        (batch_index, log probs, counts) and postprocessing's (text_output), and Triton pairs them into responses
+        in the order each step produces them; with two instances, one engine response's text can be finished after
+        the next one's, and a row's text then comes with another row's batch_index (or a streamed token's text with
+        the next token's log probs)."""
+        return 1 if self.decoupled_mode else self.text_instances
+
+    @property
     def engine_model(self) -> str:
         """The engine's model, which streams: tensorrt_llm_decoupled, or tensorrt_llm in the decoupled deployment."""
         return engine_model(self.decoupled_mode)
@@ -103,7 +112,7 @@ class BuildPlan:
             "triton_max_batch_size": str(self.max_batch_size),
             "max_queue_delay_microseconds": "0",
             "preprocessing_instance_count": str(self.text_instances),
-            "postprocessing_instance_count": str(self.text_instances),
+            "postprocessing_instance_count": str(self.postprocessing_instances),
             "bls_instance_count": str(self.text_instances),
             "tokenizer_dir": self.model_dir,
             "tokenizer_class": self.tokenizer_class,
