@@ -186,6 +186,7 @@ class LlamaCppEngine(BlockingGenerate):
         self._kept_cells = 0
         self._work = threading.Event()
         self._stopping = threading.Event()
+        self._stopped: str | None = None  # why the engine takes no more requests (_fail_all)
         self._loop_thread = threading.Thread(target=self._loop, name="llamacpp-engine", daemon=True)
         # The step thread and llama.cpp's CPU threads, which it starts, yield the cores to the stream's other steps.
         start_yielding(self._loop_thread.start, config.cpu_niceness)
@@ -197,8 +198,6 @@ class LlamaCppEngine(BlockingGenerate):
         input, for controls out of range or a guide that does not compile."""
         check_controls(request, self.vocab_size)
         check_request(request)
-        if not self._loop_thread.is_alive():
-            raise EngineFailure("the engine's step loop has stopped (see the server log)")
         request_id = f"l{next(self._ids)}"
         reserved = len(request.input_ids) + request.max_new_tokens  # what the admission counts: never more
         if reserved > self.config.max_seq_len:
@@ -211,7 +210,9 @@ class LlamaCppEngine(BlockingGenerate):
             raise EngineFailure(f"a request of {reserved} tokens does not fit the KV cache of {self.cache_tokens}")
         controls = self._controls(request, request_id)
         sequence = _Sequence(request_id, request, emit, controls, list(request.input_ids), reserved)
-        with self._lock:
+        with self._lock:  # under the lock _fail_all holds: a request is refused here or finished there, never lost
+            if self._stopped is not None:
+                raise EngineFailure(f"{self._stopped} (see the server log)")
             self._sequences[request_id] = sequence
             self._waiting.append(sequence)
         self._work.set()
@@ -444,7 +445,9 @@ class LlamaCppEngine(BlockingGenerate):
         return sequence.log_probs[start:] if sequence.request.log_probs >= 0 else None
 
     def _fail_all(self, error: str) -> None:
+        """Ends every request with `error`; the engine takes no more (submit raises)."""
         with self._lock:
+            self._stopped = error
             for sequence in list(self._sequences.values()):
                 self._finish(sequence, FINISH_ERROR, error)
 

@@ -13,7 +13,7 @@ from tests.unit.engine.conftest import chat_ids
 from tests.unit.engine.test_cpu_engines import make_engine
 from tritonllm.build.model_source import default_model_file, retype_gguf
 from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, TRANSFORMERS, EngineConfig, GenerationRequest, Penalties
-from tritonllm.errors import ConfigError, InputError
+from tritonllm.errors import ConfigError, EngineFailure, InputError
 from tritonllm.protocol import FINISH_LENGTH
 
 CACHE_TOKENS = 4096
@@ -255,3 +255,15 @@ def test_the_greedy_path_keeps_the_end_id_out_before_min_tokens():
     assert greedy_token(scores, 1, request, [2]) == 1, "min_tokens reached: the end id may come"
     assert greedy_token(scores, 1, GenerationRequest([7], 4, end_id=1), []) == 1, "min_tokens 0"
     assert scores[1] == 3.0, "the logits row is left as it was"
+
+
+def test_a_submit_after_the_engine_failed_is_refused_not_lost(manifest):
+    """_fail_all ends every request; one submitted just after, while the loop thread still runs, used to register
+    and wait forever. Under the same lock it is refused, or finished with the others."""
+    eng = make_engine(manifest, LLAMACPP, max_batch_size=2, max_seq_len=256, kv_cache_tokens=512)
+    try:
+        eng._fail_all("the engine's step loop failed: a test")
+        with pytest.raises(EngineFailure, match="a test"):
+            eng.submit(GenerationRequest([1, 2, 3], 2), lambda e: None)
+    finally:
+        eng.shutdown()
