@@ -23,11 +23,12 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.backend.engine_io import RowTimes, exclude_input, pack_outputs, parse_requests, perf_outputs
-from tritonllm.backend.metrics import EngineMetrics
+from tritonllm.backend.metrics import EngineMetrics, error_label
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.triton_glue import (
     ENGINE_PARAMETER_INPUTS,
     FINAL,
+    error_kind,
     error_response,
     flag,
     input_arrays,
@@ -169,8 +170,7 @@ class EngineModel:
                     any(g.sequence_index for g in generations),
                 )
             except Exception as exc:
-                kind = "server_busy" if isinstance(exc, ServerBusy) else "invalid_input"
-                self._finished.put(("error", kind))
+                self._finished.put(("error", error_label(error_kind(exc))))
                 sender.send(error_response(exc), flags=FINAL)
                 continue
             self._live[id(call)] = call
@@ -188,7 +188,7 @@ class EngineModel:
         """A generation the engine did not take: those it took are cancelled, and the request ends with `exc`; the
         closed call sends nothing more (a generation taken before may have been answered already)."""
         self._close(call)
-        self._finished.put(("error", "invalid_input" if isinstance(exc, ValueError) else "generation_failed"))
+        self._finished.put(("error", error_label(error_kind(exc))))
         call.sender.send(error_response(exc), flags=FINAL)
 
     def _admit(self, rows: int) -> None:

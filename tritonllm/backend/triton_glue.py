@@ -127,18 +127,25 @@ def raise_if_error(response) -> None:
         raise StepError(response.error())
 
 
-def error_response(exc: BaseException):
-    """The response that fails a request with `exc`, its message tagged with its kind (see tritonllm.errors).
+def error_kind(exc: BaseException) -> ErrorKind | None:
+    """How `exc` is answered: our errors carry their kind, a BLS callee's its tag (None: an untagged callee's
+    error, passed on with its own code); anything else is a bug of ours, INTERNAL. The metrics count by it too."""
+    if isinstance(exc, StepError):
+        return ErrorKind.of_message(exc.error.message())
+    if isinstance(exc, TritonLLMError):
+        return exc.kind
+    return ErrorKind.INTERNAL
 
-    Our errors carry their kind's code; a BLS callee's error is passed on as it came (our models
-    tagged it already); anything else is a bug of ours: INTERNAL, logged with its traceback.
-    """
+
+def error_response(exc: BaseException):
+    """The response that fails a request with `exc`, its message tagged with its kind (see tritonllm.errors);
+    a bug of ours is logged with its traceback."""
+    kind = error_kind(exc)
     if isinstance(exc, StepError):  # a BLS response's error code does not survive the stub: its tag does
-        kind = ErrorKind.of_message(exc.error.message())
         code = exc.error.code() if kind is None else getattr(pb_utils.TritonError, kind.triton_code)
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.error.message(), code))
     if isinstance(exc, TritonLLMError):
-        code = getattr(pb_utils.TritonError, exc.kind.triton_code)
+        code = getattr(pb_utils.TritonError, kind.triton_code)
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.tagged(), code))
     pb_utils.Logger.log_error("".join(traceback.format_exception(exc)))
     message = f"{ErrorKind.INTERNAL.tag} internal error: {exc}"

@@ -337,7 +337,7 @@ def ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:
 
 
 def check_request(request: GenerationRequest) -> None:
-    """What an engine's `submit` refuses (ValueError) rather than queues. The prompt is checked for its type
+    """What an engine's `submit` refuses (InputError) rather than queues. The prompt is checked for its type
     here, where an in-process caller's mistake (a tokenizer's whole output, say) would otherwise reach the step
     loop and fail every request in it."""
     ids = request.input_ids
@@ -346,4 +346,6 @@ def check_request(request: GenerationRequest) -> None:
     if not all(isinstance(token, numbers.Integral) for token in ids):
         raise InputError("input_ids", "must be a list of integer token ids")
     if len(request.bad_words) > MAX_WORD_SEQUENCES:
-        raise ValueError(f"{len(request.bad_words)} bad words, more than the limit of {MAX_WORD_SEQUENCES}")
+        raise InputError(
+            "bad_words", f"{len(request.bad_words)} sequences, more than the limit of {MAX_WORD_SEQUENCES}"
+        )

@@ -181,6 +181,24 @@ def test_a_refused_row_ends_its_whole_request_once(model, pb_utils):
 FINAL = fake_pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
+def test_an_error_is_counted_under_the_kind_it_is_answered_with(model, pb_utils, monkeypatch):
+    """A client's mistake is invalid_input (INVALID_ARG); a bug while parsing is answered INTERNAL and counted as a
+    failure, not as the client's fault."""
+    bad = request(pb_utils, [1, 2], request_output_len=np.array([0], np.int32))
+    model.execute([bad])
+    [(response, _)] = bad.sender.sent
+    assert response.error().code() == pb_utils.TritonError.INVALID_ARG
+    assert drain(model._finished) == [("error", "invalid_input")]
+    from tritonllm.backend import engine_model
+
+    monkeypatch.setattr(engine_model, "parse_requests", lambda arrays, limits: {}["a bug"])
+    buggy = request(pb_utils, [1, 2])
+    model.execute([buggy])
+    [(response, _)] = buggy.sender.sent
+    assert response.error().code() == pb_utils.TritonError.INTERNAL
+    assert drain(model._finished) == [("error", "generation_failed")]
+
+
 # Admission: requests beyond max_batch_size running + max_queue_size waiting are refused as busy.
 
 

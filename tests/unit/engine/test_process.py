@@ -14,6 +14,7 @@ import pytest
 from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, SamplingParams
 from tritonllm.engine.portable import PortableEngine
 from tritonllm.engine.process import EngineProcess, EngineProcessError
+from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, MAX_WORD_SEQUENCES
 
 
@@ -91,7 +92,7 @@ def test_cancel_frees_the_request(child):
 
 
 def test_refuses_what_the_engine_refuses_before_sending(child):
-    with pytest.raises(ValueError, match="bad words"):
+    with pytest.raises(InputError, match="bad_words: 65 sequences"):
         child.submit(GenerationRequest([1], 2, bad_words=((5,),) * (MAX_WORD_SEQUENCES + 1)), lambda e: None)
     assert child.running() == 0
 
