@@ -1,4 +1,4 @@
-"""The one place where the TensorRT-LLM flavor's versions are pinned.
+"""The one place where the versions the engines depend on are pinned.
 
 An engine runs only under the TensorRT-LLM (and TensorRT) release that built it: the most reported
 upstream failure is "Serialization assertion stdVersionRead == kSERIALIZATION_VERSION failed",
@@ -6,6 +6,12 @@ an engine from another release. So engines are built inside the same image that 
 Triton releases 26.04 to 26.07 ship TensorRT-LLM 1.2.1 (TensorRT 10.14.1.48, CUDA 13.1), the last
 release line with the TensorRT engine backend (NVIDIA's compatibility matrix; docs/gpu.md).
 """
+
+# The transformers release the portable engine's transformers path is written against: it drives transformers'
+# continuous-batching internals (step graphs, its attention registry, its output queue), which change between
+# releases, so another release is refused when the engine loads (tritonllm/engine/portable.py). requirements.txt
+# pins the same (tests/unit/engine/test_portable.py checks it).
+TRANSFORMERS_VERSION = "5.24.0"
 
 TRITON_TAG = "26.07"
 TRTLLM_VERSION = "1.2.1"

@@ -10,7 +10,6 @@ uses it (tritonllm/engine/sampling.py, controls.py, guided.py).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import itertools
 import logging
@@ -20,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
@@ -42,7 +42,7 @@ from tritonllm.engine.norms import fuse_rms_norms
 from tritonllm.engine.projections import merge_projections
 from tritonllm.engine.sampling import key_graphs_by_processors, request_processors
 from tritonllm.engine.step_graphs import graph_steps_up_to
-from tritonllm.errors import EngineFailure
+from tritonllm.errors import ConfigError, EngineFailure
 from tritonllm.protocol import (
     FINISH_CANCELLED,
     FINISH_EOS,
@@ -51,6 +51,7 @@ from tritonllm.protocol import (
     FINISH_STOP,
     MAX_WORD_SEQUENCES,
 )
+from tritonllm.versions import TRANSFORMERS_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class PortableEngine(BlockingGenerate):
     """One model, one batching manager, one thread that routes the manager's outputs to requests."""
 
     def __init__(self, config: EngineConfig) -> None:
+        check_transformers(transformers.__version__)
         config = self.config = config.resolve()
         varlen = config.attention == attention.VARLEN
         if varlen and (reason := attention.unavailable_reason(config.device, config.dtype)):
@@ -112,7 +114,7 @@ class PortableEngine(BlockingGenerate):
         )
         self._manager = self.model.init_continuous_batching(
             generation_config=generation_config,
-            continuous_batching_config=batching_config(
+            continuous_batching_config=ContinuousBatchingConfig(
                 page_size=PAGE_SIZE,
                 num_blocks=max(1, config.kv_cache_tokens // PAGE_SIZE),
                 max_batch_tokens=config.max_batch_tokens,
@@ -406,11 +408,12 @@ def compile_config(model_config) -> CompileConfig:
     return settings
 
 
-def batching_config(**options) -> ContinuousBatchingConfig:
-    """A ContinuousBatchingConfig from the options this transformers release knows. Releases before
-    5.17's rename call `page_size` `block_size`, and some lack `auto_switch_to_flash` (then they
-    never switch the attention implementation): NVIDIA's and other images pin their own release."""
-    known = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-    if "page_size" not in known and "page_size" in options:
-        options["block_size"] = options.pop("page_size")
-    return ContinuousBatchingConfig(**{k: v for k, v in options.items() if k in known})
+def check_transformers(installed: str) -> None:
+    """The engine drives internals of one transformers release (tritonllm.versions): another fails in ways that
+    do not name it (an image's own release dropped options, or failed at the attention), so it is refused here."""
+    if installed != TRANSFORMERS_VERSION:
+        raise ConfigError(
+            f"the transformers engine needs transformers=={TRANSFORMERS_VERSION} (it drives that release's "
+            f"continuous batching), and this Python has {installed}: install it (pip install "
+            f"transformers=={TRANSFORMERS_VERSION}) or use the project's .venv"
+        )

@@ -2,13 +2,17 @@
 
 import os
 import queue
+import re
 
 import pytest
+import transformers
 
+from tests.conftest import ROOT
 from tests.unit.engine.conftest import chat_ids
 from tritonllm.engine.api import EngineConfig, GenerationRequest, SamplingParams
 from tritonllm.engine.portable import PortableEngine
-from tritonllm.errors import EngineFailure
+from tritonllm.errors import ConfigError, EngineFailure
+from tritonllm.versions import TRANSFORMERS_VERSION
 
 
 @pytest.mark.parametrize(("refusal", "error"), [("raises", queue.Full), ("drops", EngineFailure)])
@@ -77,3 +81,16 @@ def test_compiled_engine_matches_eager(engine, manifest, tokenizer):
         compiled.shutdown()
         logging.getLogger("torch._dynamo").removeHandler(handler)
     assert not [m for m in limit_hits if "recompile_limit" in m]
+
+
+def test_another_transformers_release_is_refused_at_load_naming_the_one_needed(manifest, monkeypatch):
+    """An image's own transformers used to drop options silently or fail at the attention, naming neither."""
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(ConfigError, match=rf"needs transformers=={re.escape(TRANSFORMERS_VERSION)}.*has 5\.17\.0"):
+        PortableEngine(EngineConfig(manifest["model_dir"], device="cpu"))
+
+
+def test_the_pinned_transformers_is_the_one_requirements_install():
+    pins = (ROOT / "requirements.txt").read_text()
+    assert re.search(rf"^transformers=={re.escape(TRANSFORMERS_VERSION)}\s", pins, re.M)
+    assert transformers.__version__ == TRANSFORMERS_VERSION
