@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import time
@@ -197,6 +198,47 @@ def test_disconnect_cancels_the_generation(api, model, server):
     assert wait_for_in_flight(server, 1) == 1  # the gauge is refreshed every 0.2 s
     stream.close()  # the client goes away mid-stream
     assert wait_for_in_flight(server, 0) == 0, "the engine still generates for a client that left"
+
+
+def test_clients_dropping_streams_under_load_get_no_429(base_url, model, server):
+    """64 streamed chats, 32 at a time, about one in six dropped by its client after 3 chunks. A dropped stream
+    holds its engine seat until its cancellation arrives; with a queue only as long as the batch (16 + 16 seats),
+    every chat arriving in that moment was refused at once, and the 32 clients burned through the rest as 429s."""
+
+    async def load() -> dict[str, int]:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+        counts = {"finished": 0, "dropped": 0, "busy": 0}
+        jobs = iter(range(64))
+
+        async def one(i: int) -> None:
+            messages = [{"role": "user", "content": f"Tell me a story, number {i}."}]
+            try:
+                stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, stream=True)
+            except openai.RateLimitError:
+                counts["busy"] += 1
+                return
+            chunks = 0
+            async for _chunk in stream:
+                chunks += 1
+                if i % 6 == 5 and chunks == 3:
+                    await stream.close()
+                    counts["dropped"] += 1
+                    return
+            counts["finished"] += 1
+
+        async def worker() -> None:
+            for i in jobs:
+                await one(i)
+
+        try:
+            await asyncio.gather(*(worker() for _ in range(32)))
+        finally:
+            await client.close()
+        return counts
+
+    counts = asyncio.run(load())
+    assert counts == {"finished": 54, "dropped": 10, "busy": 0}
+    assert wait_for_in_flight(server, 0) == 0
 
 
 def test_server_busy_is_429_and_cancels_the_refused_choices_siblings(api, model, server):

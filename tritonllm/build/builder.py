@@ -32,6 +32,7 @@ ENGINE_FOLDER = "tensorrt_llm"  # the engine's template folder: `files` under it
 # Python-backend threads per model instance, at most: beyond it, the ensemble's requests wait for a thread in the
 # bridge (tensorrt_llm_bls and the engine model are not bounded by it: their BLS calls stream).
 MAX_BACKEND_THREADS = 512
+DEFAULT_ADMITTED = 128  # running + waiting requests admitted by default (TGI's default max_concurrent_requests)
 
 
 class BuildError(ConfigError):
@@ -57,7 +58,7 @@ class BuildPlan:
     max_input_len: int
     max_seq_len: int
     vocab_size: int
-    max_queue_size: int = 0  # requests that may wait for a batch slot (0: as many as max_batch_size)
+    max_queue_size: int = 0  # requests that may wait for a batch slot (0: the default, queue_size)
     max_beam_width: int = 1  # the portable engine generates one beam; a TensorRT-LLM engine's is built in
     kv_cache_block_tokens: int = 1  # kv_cache_reused_blocks' unit: one token in the portable engine
     tokenizer_class: str = ""  # the class AutoTokenizer picks for model_dir (tritonllm/text/tokenizer.py)
@@ -70,7 +71,11 @@ class BuildPlan:
 
     @property
     def queue_size(self) -> int:
-        return self.max_queue_size or self.max_batch_size
+        """--max-queue-size, or by default as many as the batch, and at least enough that DEFAULT_ADMITTED requests
+        are admitted. A queue only as long as the batch answered 429 to most of a load of 32 streams at once when
+        some clients dropped theirs: a dropped stream keeps its seat until its cancellation reaches the engine (a
+        few tenths of a second), and every request arriving meanwhile was refused at once."""
+        return self.max_queue_size or max(self.max_batch_size, DEFAULT_ADMITTED - self.max_batch_size)
 
     @property
     def guided_decoding(self) -> str:
@@ -413,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue-size",
         type=int,
         default=0,
-        help="requests that may wait for a batch slot before new ones are refused as busy (default: max-batch-size)",
+        help="requests that may wait for a batch slot before new ones are refused as busy (default: as many as "
+        f"--max-batch-size, and at least enough that {DEFAULT_ADMITTED} requests are admitted)",
     )
     parser.add_argument(
         "--decoupled-mode",

@@ -303,6 +303,18 @@ def test_varlen_attention_in_float32_is_refused_with_what_to_do(manifest, monkey
         plan_portable(Path(manifest["model_dir"]), None, parse_args(argv))
 
 
+def test_the_default_queue_admits_at_least_128_requests_and_as_many_waiting_as_running():
+    """32 streamed chats at once, some dropped by their clients, were mostly refused when the queue held only as
+    many as the batch (16 + 16): a dropped stream's seat is freed a few tenths of a second late."""
+    from dataclasses import replace
+
+    from tritonllm.build.builder import DEFAULT_ADMITTED
+
+    assert [replace(PLAN, max_batch_size=b).queue_size for b in (8, 16, 64, 256)] == [120, 112, 64, 256]
+    assert replace(PLAN, max_batch_size=16, max_queue_size=4).queue_size == 4, "--max-queue-size as given"
+    assert DEFAULT_ADMITTED == 128
+
+
 def test_python_backend_threads_cover_every_admitted_request(tmp_path):
     """A decoupled BLS call holds a Python-backend thread until its first response (the bridge's
     whole answer): the pool is sized for running + waiting requests, and the server is started with it."""
@@ -310,7 +322,7 @@ def test_python_backend_threads_cover_every_admitted_request(tmp_path):
 
     from tritonllm.launch.tritonserver import TritonServer
 
-    assert PLAN.server_options() == ["--backend-config=python,thread-pool-size=48"]  # 8 running + 8 waiting + 32
+    assert PLAN.server_options() == ["--backend-config=python,thread-pool-size=160"]  # 8 running + 120 waiting + 32
     bigger = replace(PLAN, max_batch_size=128, max_queue_size=256)
     assert bigger.server_options() == ["--backend-config=python,thread-pool-size=416"]
     (tmp_path / "manifest.json").write_text(json.dumps({"server_options": bigger.server_options()}))
