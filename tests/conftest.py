@@ -16,6 +16,25 @@ ROOT = Path(__file__).resolve().parent.parent
 BUILD = (ROOT / os.environ.get("TRITONLLM_BUILD_DIR", "build")).resolve()
 
 
+_COLLECTED_FILES: set[Path] = set()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    _COLLECTED_FILES.add(Path(item.path))  # before -k or -m deselect any
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A whole-suite run (no paths given, as `make test`) stops when a test file under tests/ was not collected:
+    pytest skips folders by name (by default every `build`, which once hid tests/unit/build/)."""
+    given = {(session.config.invocation_params.dir / arg).resolve() for arg in session.config.args}
+    if given - {ROOT / "tests", ROOT}:
+        return
+    on_disk = set((ROOT / "tests").rglob("test_*.py"))
+    missing = sorted(path.relative_to(ROOT).as_posix() for path in on_disk - _COLLECTED_FILES)
+    if missing:
+        raise pytest.UsageError(f"test files pytest did not collect (a folder it skips by name?): {missing}")
+
+
 def _manifest() -> dict:
     path = BUILD / "manifest.json"
     if not path.is_file():
