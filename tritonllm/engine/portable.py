@@ -74,6 +74,10 @@ class _Active:
     sent: int = 0  # tokens already emitted (streaming)
     submitted: float = field(default_factory=time.perf_counter)
     token_times: tuple[float, float] | None = None  # (first, last) generated token, perf_counter clock
+    # The router's advance and a cancel from another thread both read and emit the tokens: they take turns, and
+    # nothing is emitted after the final emission (done).
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    done: bool = False
 
 
 class PortableEngine(BlockingGenerate):
@@ -284,6 +288,11 @@ class PortableEngine(BlockingGenerate):
                 self._drop(output.request_id, active, FINISH_ERROR, f"internal error: {exc}")
 
     def _advance(self, request_id: str, active: _Active, output: GenerationOutput) -> None:
+        with active.lock:
+            if not active.done:
+                self._advance_locked(request_id, active, output)
+
+    def _advance_locked(self, request_id: str, active: _Active, output: GenerationOutput) -> None:
         if output.status == RequestStatus.FAILED:
             self._drop(request_id, active, FINISH_ERROR, output.error or "generation failed")
             return
@@ -371,6 +380,14 @@ def _log_probs(active: _Active, start: int) -> list[TokenLogProbs] | None:
 
 
 def _finish(active: _Active, reason: str, error: str | None = None) -> None:
+    """The request's final emission, once."""
+    with active.lock:
+        if not active.done:
+            active.done = True
+            _emit_final(active, reason, error)
+
+
+def _emit_final(active: _Active, reason: str, error: str | None) -> None:
     start = active.sent if active.request.streaming else 0
     active.sent = len(active.tokens)
     ttft = tpot = None

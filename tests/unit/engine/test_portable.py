@@ -3,6 +3,7 @@
 import os
 import queue
 import re
+import threading
 
 import pytest
 import transformers
@@ -94,3 +95,36 @@ def test_the_pinned_transformers_is_the_one_requirements_install():
     pins = (ROOT / "requirements.txt").read_text()
     assert re.search(rf"^transformers=={re.escape(TRANSFORMERS_VERSION)}\s", pins, re.M)
     assert transformers.__version__ == TRANSFORMERS_VERSION
+
+
+def test_an_output_routed_after_a_cancel_emits_nothing_more(engine, tokenizer):
+    """The router takes a request's state, then a cancel from another thread ends it: the output it goes on to
+    route must not follow the final emission with tokens (transformers' manager may still report one)."""
+    from types import SimpleNamespace
+
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    emissions, started = [], threading.Event()
+
+    def emit(emission):
+        emissions.append(emission)
+        started.set()
+
+    request_id = engine.submit(
+        GenerationRequest(chat_ids(tokenizer, "Tell me a long story."), 200, end_id=-1, streaming=True), emit
+    )
+    assert started.wait(60)
+    with engine._lock:
+        active = engine._active[request_id]
+    engine.cancel(request_id)
+    assert emissions[-1].final
+    count = len(emissions)
+    late = SimpleNamespace(
+        status=RequestStatus.DECODING,
+        timestamps=[],
+        logprobs=None,
+        generated_tokens=[*active.tokens, 7, 8],
+        is_finished=lambda: False,
+    )
+    engine._advance(request_id, active, late)
+    assert len(emissions) == count, "an emission after the final one"
