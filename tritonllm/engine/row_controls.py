@@ -4,8 +4,8 @@ The portable engine runs the controls as argument groups inside transformers' ba
 (tritonllm/engine/sampling.py, controls.py, guided.py); llama.cpp hands each step's logits to the host, where a
 request that uses a control gets its row processed alone, with the same tensor operations (tritonllm/engine/logits.py)
 and in the same order: log probabilities of the raw logits, embedding bias, penalties, bans (bad words, the end id
-before min_tokens), the grammar's mask, then the seeded draw. A request without controls never comes here: its
-token is the row's argmax.
+before min_tokens), the grammar's mask, then the seeded draw (logits.draw_one: `sample`'s draw, without sorting the
+whole row). A request without controls never comes here: its token is the row's argmax.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from tritonllm.engine.api import GenerationRequest, TokenLogProbs, ends_with
 from tritonllm.engine.guided import Follower
-from tritonllm.engine.logits import MIN_TEMPERATURE, penalise, sample, step_seed
+from tritonllm.engine.logits import draw_one, penalise, step_seed
 from tritonllm.protocol import MAX_TOP_LOG_PROBS
 
 
@@ -54,10 +54,6 @@ class RowControls:
             self.presence, self.frequency = torch.tensor([[penalties.presence]]), torch.tensor([[penalties.frequency]])
             if penalties.count_prompt:
                 self.counts[0] += torch.bincount(prompt, minlength=vocab_size)
-        sampling = request.sampling  # the draw's parameters; its seed changes with the position
-        self.temperature = torch.tensor([max(sampling.temperature, MIN_TEMPERATURE)])
-        self.top_k = torch.tensor([min(sampling.top_k, 2**31 - 1)])
-        self.top_p = torch.tensor([sampling.top_p])
         self.mask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32) if follower is not None else None
         self._longest_word = max((len(w) for w in request.bad_words), default=0)
 
@@ -94,9 +90,11 @@ class RowControls:
             scores = scores.clone() if scores.data_ptr() == row.ctypes.data else scores
             xgrammar.apply_token_bitmask_inplace(scores, self.mask)
         if request.sampling.sample:
-            seed = torch.tensor([step_seed(request.sampling.seed, len(request.input_ids) + len(generated))])
-            scores = sample(scores, self.temperature, self.top_k, self.top_p, seed)
-        token = int(scores.argmax(dim=-1))
+            sampling = request.sampling
+            seed = step_seed(sampling.seed, len(request.input_ids) + len(generated))
+            token = draw_one(scores[0], sampling.temperature, min(sampling.top_k, 2**31 - 1), sampling.top_p, seed)
+        else:
+            token = int(scores.argmax(dim=-1))
         self._accept(token)
         chosen = None
         if log_probs is not None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 
-from tritonllm.engine.logits import GREEDY, ban, sample, step_seed, uniform
+from tritonllm.engine.logits import CANDIDATES, GREEDY, ban, draw_one, sample, step_seed, uniform
 from tritonllm.engine.sampling import (
     ArgumentGroups,
     BadWords,
@@ -75,6 +75,30 @@ def test_a_draw_depends_on_its_seed_not_on_its_batch():
     assert draw(seeds) == alone
     assert draw(seeds[::-1]) == alone[::-1]
     assert len(set(alone)) > 1
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 0, 1.0), (0.8, 0, 0.9), (1.0, 0, 0.999), (1.0, 40, 1.0), (0.5, 5, 0.5),
+     (1.0, 300, 1.0), (2.0, 0, 0.95)],
+)  # fmt: skip
+def test_one_rows_draw_is_samples(temperature, top_k, top_p):
+    """draw_one, the llama.cpp rows' draw, picks what `sample` picks, in the prefix it sorts and beyond it: rows of
+    2,000 logits shaped like a model's (a few likely tokens, a long tail) and with ties at the prefix's edge."""
+    generator = torch.Generator().manual_seed(3)
+    rows = [torch.randn(2000, generator=generator) * scale for scale in (1.0, 3.0, 6.0)]
+    tied = torch.randn(2000, generator=generator) * 3
+    tied[tied.topk(CANDIDATES + 20).indices[CANDIDATES - 10 :]] = tied.topk(CANDIDATES).values[-1]
+    seeds = [step_seed(seed, 7) for seed in range(150)]
+    for scores in [*rows, tied]:
+        expected = sample(
+            scores.repeat(len(seeds), 1),
+            torch.full((len(seeds),), temperature),
+            torch.full((len(seeds),), top_k),
+            torch.full((len(seeds),), top_p),
+            torch.tensor(seeds),
+        ).argmax(-1)
+        assert [draw_one(scores, temperature, top_k, top_p, seed) for seed in seeds] == expected.tolist()
 
 
 def test_greedy_rows_are_untouched():
