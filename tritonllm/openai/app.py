@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--trtllm",
         action="store_true",
-        help="without --manifest: the server runs a TensorRT-LLM engine (no openai_penalties input)",
+        help="without --manifest: the server runs a TensorRT-LLM engine (none of the portable engine's additions)",
     )
     parser.add_argument("--grpc-url", default=f"127.0.0.1:{PORTS['grpc']}", help="the Triton server's gRPC address")
     parser.add_argument("--model-name", help="the name clients use (default: the tokenizer folder's name)")
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         args.max_seq_len,
         args.api_key or None,
         kv_cache_block_tokens=args.kv_cache_block_tokens,
-        openai_penalties=not args.trtllm,
+        engine_additions=not args.trtllm,
         tokenizer_class=args.tokenizer_class,
     )
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")

@@ -104,7 +104,7 @@ class Generator:
         """Stream one choice from Triton: deltas (finish_reason None), then a final Generation."""
         inputs = infer_inputs(
             grpcclient,
-            request_tensors(prompt, max_tokens, **body.inputs(index, self.vocab_size, self.settings.openai_penalties)),
+            request_tensors(prompt, max_tokens, **body.inputs(index, self.vocab_size, self.settings.engine_additions)),
         )
 
         async def requests():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from jsonschema import SchemaError
@@ -151,15 +151,21 @@ class SamplingRequest(Body):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
 
-    def check_supported(self, vocab_size: int) -> None:
+    def check_supported(self, vocab_size: int, engine_additions: bool = True) -> None:
         """Refuse, before any request is sent, what this server cannot honour or the models would refuse."""
         for name, neutral in UNSUPPORTED.items():
             if name in type(self).model_fields and getattr(self, name) not in neutral:
                 raise invalid(name, "is not supported by this server")
+        if not engine_additions and self.log_probs():
+            raise invalid(
+                self.TOP_LOG_PROBS, "must be 0 here: the TensorRT-LLM engine returns only the chosen tokens' log probs"
+            )
         self.biases(vocab_size)
         self.stops()
         self.words()
         self.guide()
+
+    TOP_LOG_PROBS: ClassVar[str] = ""  # the parameter that asks for the most likely tokens' log probabilities
 
     def log_probs(self) -> int | None:
         """None: no log probabilities; k >= 0: the chosen token's and the k most likely tokens'."""
@@ -229,9 +235,9 @@ class SamplingRequest(Body):
             return 1.0
         return self.top_p
 
-    def inputs(self, choice: int, vocab_size: int, openai_penalties: bool = True) -> dict[str, Any]:
-        """request_tensors' keyword arguments for choice `choice` (its seed is seed + choice). openai_penalties:
-        the engine takes that input (the portable engine's addition), which keeps OpenAI's penalty rule."""
+    def inputs(self, choice: int, vocab_size: int, engine_additions: bool = True) -> dict[str, Any]:
+        """request_tensors' keyword arguments for choice `choice` (its seed is seed + choice). engine_additions:
+        the engine takes the portable engine's additions, openai_penalties among them (OpenAI's penalty rule)."""
         log_probs = self.log_probs()
         guide = self.guide()
         penalised = bool(self.presence_penalty or self.frequency_penalty)
@@ -246,7 +252,7 @@ class SamplingRequest(Body):
             "seed": None if self.seed is None else (self.seed + choice) % 2**64,
             "presence_penalty": self.presence_penalty or None,
             "frequency_penalty": self.frequency_penalty or None,
-            "openai_penalties": True if penalised and openai_penalties else None,
+            "openai_penalties": True if penalised and engine_additions else None,
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,  # stated: NVIDIA's interface defaults to 1 (no end id first)
             "end_id": -1 if self.ignore_eos else None,
@@ -275,13 +281,15 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
-    def check_supported(self, vocab_size: int) -> None:
-        super().check_supported(vocab_size)
+    def check_supported(self, vocab_size: int, engine_additions: bool = True) -> None:
+        super().check_supported(vocab_size, engine_additions)
         if self.best_of not in (None, self.n):
             raise invalid("best_of", "is supported only equal to n (every generated choice is returned)")
         if self.echo and self.logprobs is not None:
             # The prompt's log probabilities would need a forward pass over it that the engines do not return.
             raise invalid("echo", "cannot be combined with 'logprobs': prompt log probabilities are not computed")
+
+    TOP_LOG_PROBS: ClassVar[str] = "logprobs"
 
     def log_probs(self) -> int | None:
         return self.logprobs
@@ -400,7 +408,7 @@ class ChatRequest(SamplingRequest):
     moderation: dict | None = None
     prompt_cache_options: dict | None = None
 
-    def check_supported(self, vocab_size: int) -> None:
+    def check_supported(self, vocab_size: int, engine_additions: bool = True) -> None:
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "needs 'logprobs': true")
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -409,7 +417,9 @@ class ChatRequest(SamplingRequest):
             raise invalid("tool_choice", f"names the function '{self.tool_choice.function.name}', not in 'tools'")
         for i, tool in enumerate(self.tools or []):
             check_schema(tooling.parameters(tool.function.model_dump()), f"tools[{i}].function.parameters")
-        super().check_supported(vocab_size)
+        super().check_supported(vocab_size, engine_additions)
+
+    TOP_LOG_PROBS: ClassVar[str] = "top_logprobs"
 
     def log_probs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -467,9 +477,9 @@ class Settings:
     api_key: str | None = None
     triton_model: str = STREAMING_MODEL
     kv_cache_block_tokens: int = 1  # the unit of the engine's kv_cache_reused_blocks
-    # The engine takes `openai_penalties` (the portable engine does); the TensorRT-LLM flavor's applies its own
-    # rule to presence_penalty and frequency_penalty (docs/api.md).
-    openai_penalties: bool = True
+    # The engine takes the portable engine's additions (num_top_log_probs, openai_penalties); the TensorRT-LLM
+    # flavor's returns no top log probabilities and applies its own rule to presence and frequency (docs/api.md).
+    engine_additions: bool = True
     tokenizer_class: str = ""  # the build's record of it (tritonllm/text/tokenizer.py); empty: AutoTokenizer picks
 
 

@@ -72,7 +72,7 @@ def check_min_tokens(body: SamplingRequest, limits: list[int]) -> None:
 
 async def completions(generator: Generator, body: CompletionRequest):
     check_model(generator, body.model)
-    body.check_supported(generator.vocab_size)
+    body.check_supported(generator.vocab_size, generator.settings.engine_additions)
     prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
     if not prompts or not all(prompts):
         raise invalid("prompt", "must be a non-empty string or list of non-empty strings")
@@ -187,7 +187,7 @@ class ChatStream:
 
 async def chat_completions(generator: Generator, body: ChatRequest):
     check_model(generator, body.model)
-    body.check_supported(generator.vocab_size)
+    body.check_supported(generator.vocab_size, generator.settings.engine_additions)
     messages = [m.rendered() for m in body.messages]
     try:
         prompt = generator.chat_prompt(messages, body.offered_tools())

@@ -23,9 +23,9 @@ def completion(**fields) -> CompletionRequest:
     return CompletionRequest(model="m", prompt="Hi", **fields)
 
 
-def refused(request, param: str) -> APIError:
+def refused(request, param: str, engine_additions: bool = True) -> APIError:
     with pytest.raises(APIError) as err:
-        request.check_supported(VOCAB)
+        request.check_supported(VOCAB, engine_additions)
     assert (err.value.status, err.value.param) == (400, param)
     assert param.split(".")[0].split("[")[0] in str(err.value)
     return err.value
@@ -120,7 +120,7 @@ def test_neutral_penalties_are_not_sent():
 
 def test_penalties_ask_for_openais_rule_where_the_engine_takes_it():
     assert chat(presence_penalty=0.5).inputs(0, VOCAB)["openai_penalties"] is True
-    assert chat(frequency_penalty=0.5).inputs(0, VOCAB, openai_penalties=False)["openai_penalties"] is None
+    assert chat(frequency_penalty=0.5).inputs(0, VOCAB, engine_additions=False)["openai_penalties"] is None
 
 
 def test_logprobs_without_top_logprobs_asks_for_the_chosen_tokens_only():
@@ -310,3 +310,12 @@ def test_tensor_dtypes_match_the_contract():
     tensors = request_tensors("Hi", 4, **chat(seed=2**64 - 1, top_k=3).inputs(1, VOCAB))
     seed = next(value for name, value, _ in tensors if name == "seed")
     assert seed.dtype == np.uint64 and seed[0, 0] == 0  # seed + choice wraps around
+
+
+def test_top_log_probs_are_refused_by_name_where_the_engine_has_none():
+    """The TensorRT-LLM flavor returns the chosen tokens' log probs only: more is a 400 naming OpenAI's parameter."""
+    refused(chat(logprobs=True, top_logprobs=3), "top_logprobs", engine_additions=False)
+    refused(completion(logprobs=2), "logprobs", engine_additions=False)
+    chat(logprobs=True, top_logprobs=0).check_supported(VOCAB, engine_additions=False)
+    completion(logprobs=0).check_supported(VOCAB, engine_additions=False)
+    chat(logprobs=True, top_logprobs=3).check_supported(VOCAB)
