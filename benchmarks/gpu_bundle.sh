@@ -3,14 +3,15 @@
 # network. Run it from the repository root on a machine with pip and PyPI, after `make build` (the
 # tokenizer comes from the built model folder):
 #   bash benchmarks/gpu_bundle.sh
-# What it writes (every version pinned here; Python 3.12, manylinux x86_64 wheels):
+# What it writes (every version pinned here; Python 3.12, manylinux x86_64 wheels, recompressed with LZMA):
 #   tritonserver-min.tar.xz  from the nvidia-pytriton 0.7.0 wheel: the tritonserver 2.51 binary, the Python
 #                          backend, the Python 3.12 stub and the nvidia_pytriton.libs they link (found
 #                          through their NEEDED entries), stripped, so the bundle travels in one transfer
 #   numpy-1.26.4-cp312-*.whl the tritonserver 2.51 stub corrupts BYTES tensors under numpy 2
 #   tritonclient-py.zip    tritonclient 2.51.0's Python package (no perf_analyzer) and python-rapidjson
 #   tokenizer.tgz          SmolLM2's tokenizer files from build/manifest.json's tokenizer_dir
-#   overlay/*.whl          transformers and tokenizers, the project's pins (NO_OVERLAY=1 leaves them out)
+#   overlay/*.whl          transformers and tokenizers, the project's pins (NO_OVERLAY=1 leaves them out: the
+#                          transformers engine refuses any other release at load)
 #   serve/*.whl            the OpenAI layer's web stack, jsonschema and tritonclient's HTTP client's gevent, with
 #                          their dependencies (for benchmarks/pipeline.py; NO_SERVE=1 leaves them out)
 #   tools/*.whl            py-spy, for gpu_bench.sh --profile-dir (NO_PYSPY=1 leaves it out)
@@ -127,6 +128,24 @@ if [ -z "${NO_PYSPY:-}" ]; then
   download "$bundle/tools" "$PYSPY"
 fi
 
+# Every wheel recompressed with LZMA, which pip's zipfile reads: numpy's shared libraries shrink from 18 to 10 MB,
+# and the bundle fits one transfer with everything in it.
+echo "gpu_bundle: recompressing the wheels (LZMA: about a minute) ..."
+find "$bundle" -name '*.whl' -print0 | xargs -0 "$PYTHON" -c '
+import sys
+import zipfile
+from pathlib import Path
+
+for wheel in map(Path, sys.argv[1:]):
+    packed = wheel.with_suffix(".lzma")
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(packed, "w", zipfile.ZIP_LZMA) as target:
+        for member in source.infolist():
+            data = source.read(member)
+            member.compress_type = zipfile.ZIP_LZMA
+            target.writestr(member, data)
+    packed.replace(wheel)
+'
+
 # Checks: the server binary and the 3.12 stub are in the tarball, the bundle fits one transfer.
 listing=$(xz -dc "$bundle/tritonserver-min.tar.xz" | tar -tf -)
 for member in pytriton/tritonserver/bin/tritonserver pytriton/tritonserver/python_backend_stubs/3.12/triton_python_backend_stub \
@@ -137,6 +156,6 @@ done
 size=$(find "$bundle" -type f -printf '%s\n' | awk '{s += $1} END {print s}')
 awk -v s="$size" -v b="$bundle" 'BEGIN {printf "gpu_bundle: %s, %.1f MiB in all\n", b, s / 1048576}'
 if [ "$size" -gt $((limit_mib * 1048576)) ]; then
-  echo "gpu_bundle: over $limit_mib MiB: it would not travel in one transfer (NO_PYSPY=1 or NO_OVERLAY=1 make it smaller)" >&2
+  echo "gpu_bundle: over $limit_mib MiB: it would not travel in one transfer (NO_PYSPY=1 or NO_SERVE=1 make it smaller)" >&2
   exit 1
 fi
