@@ -47,6 +47,8 @@ CONTROLS = {
         "guided_decoding_guide": json.dumps({"type": "array", "items": {"type": "string"}}),
     },
     "penalties": {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+    # What the OpenAI layer sends for a temperature alone: the whole distribution, seeded by the server.
+    "sampling": {"temperature": 0.7, "top_p": 1.0},
 }
 
 
