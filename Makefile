@@ -80,6 +80,9 @@ trtllm-image: $(VENV)/.installed
 
 # The integration tests also serve NVIDIA's decoupled deployment of the same model (tests/conftest.py).
 test: build
+	@# NVIDIA's decoupled deployment beside the default one, on the same model files (converted once).
+	@test -L $(BUILD_DIR)/decoupled/models || { rm -rf $(BUILD_DIR)/decoupled/models && mkdir -p $(BUILD_DIR)/decoupled \
+		&& ln -s ../models $(BUILD_DIR)/decoupled/models; }
 	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR)/decoupled $(if $(MODEL),--model "$(MODEL)") \
 		$(TRTLLM_ARGS) $(BUILD_ARGS) --decoupled-mode
 	TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q

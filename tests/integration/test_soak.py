@@ -1,8 +1,8 @@
-"""Integration: a soak of 800 mixed requests at concurrency 32 (streaming and not, short and long).
+"""Integration: a soak of 400 mixed requests at concurrency 32 (streaming and not, short and long).
 
 Zero failures of valid requests; afterwards the engine reports nothing in flight; the resident
 memory of the Python-backend processes grows by at most MEMORY_BOUND_MB from the end of the first
-half to the end of the second (after 400 requests, every code path and buffer size has been used,
+half to the end of the second (after 200 requests, every code path and buffer size has been used,
 so more growth would be a leak).
 """
 
@@ -25,7 +25,7 @@ from client import infer_inputs, request_tensors
 from tests.integration.test_streaming import wait_for_in_flight
 
 pytestmark = pytest.mark.integration
-REQUESTS = 800
+REQUESTS = 400
 CONCURRENCY = 32
 MEMORY_BOUND_MB = 64
 
