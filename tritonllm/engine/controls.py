@@ -128,12 +128,12 @@ class RequestSlots:
         self.prompt[slot].zero_()
         self.bias[slot].zero_()
         prompt = state.initial_tokens[: prompt_length(state)]
-        if "repetition_penalty" in kwargs and prompt:
-            self.prompt[slot, torch.tensor(prompt, dtype=torch.long, device=self.device)] = True
-        if kwargs.get("count_prompt") and prompt:
-            self.counts[slot] += torch.bincount(
-                torch.tensor(prompt, dtype=torch.long, device=self.device), minlength=self.vocab_size
-            )
+        if prompt and ("repetition_penalty" in kwargs or kwargs.get("count_prompt")):
+            ids = torch.tensor(prompt, dtype=torch.long, device=self.device)
+            if "repetition_penalty" in kwargs:
+                self.prompt[slot, ids] = True
+            if kwargs.get("count_prompt"):
+                self.counts[slot] += torch.bincount(ids, minlength=self.vocab_size)
         if bias := kwargs.get("embedding_bias"):
             ids, values = zip(*bias, strict=True)
             self.bias[slot].index_put_(

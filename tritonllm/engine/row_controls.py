@@ -43,9 +43,9 @@ class RowControls:
             )
         penalties = request.penalties
         self.counts = self.prompt = self.repetition = self.presence = self.frequency = None
-        prompt = torch.tensor(request.input_ids, dtype=torch.long).clamp(0, vocab_size - 1)
         if penalties.repetition != 1.0 or penalties.presence or penalties.frequency:
             self.counts = torch.zeros(1, vocab_size)
+            prompt = torch.tensor(request.input_ids, dtype=torch.long).clamp(0, vocab_size - 1)
         if penalties.repetition != 1.0:
             self.repetition = torch.tensor([[penalties.repetition]])
             self.prompt = torch.zeros(1, vocab_size, dtype=torch.bool)
