@@ -1,6 +1,7 @@
 """Triton adapter of the portable engine: the decoupled `tensorrt_llm` model.
 
-`execute` parses each request, hands it to the engine and returns at once; the engine's router
+`execute` parses each request, hands it to the engine and returns at once (a guided one from a submitter
+thread: compiling its grammar may take seconds); the engine's router
 thread reports tokens, and an `Outbox` thread turns them into responses (merging a stream's tokens
 that queued up while it was busy), so neither generation nor request intake ever waits on the
 server's IPC. Like the TensorRT-LLM backend, each generation of a request (a batch row, or one of
@@ -15,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +56,9 @@ from tritonllm.errors import EngineFailure, InputError, ServerBusy
 from tritonllm.text.tokenization import Limits, scalar
 
 CANCEL_CHECK_SECONDS = 0.2  # and the period of the load gauges
+# Guided requests are handed to the engine from these threads: compiling a new grammar takes up to seconds, and
+# Triton's execute thread must not wait on it (nor the `stop` requests and the other requests queued behind it).
+GUIDED_SUBMITTERS = 4
 
 
 @dataclass(eq=False)
@@ -72,6 +78,7 @@ class _Call:
     # Whether responses carry batch_index, sequence_index: as TensorRT-LLM's backend, where there is more than one.
     indexed: tuple[bool, bool] = (False, False)
     closed: bool = False
+    cancelled: bool = False  # asked to end: a generation handed to the engine after it is cancelled at once
 
 
 @dataclass(eq=False)
@@ -137,6 +144,9 @@ class EngineModel:
         self._outbox: Outbox[Emission] = Outbox(
             "tensorrt_llm-sender", self._send, Emission.merge, self._tick, CANCEL_CHECK_SECONDS, log_exception
         )
+        self._guided = ThreadPoolExecutor(GUIDED_SUBMITTERS, thread_name_prefix="tensorrt_llm-guided")
+        self._compiling = 0  # rows of guided requests not yet handed to the engine (admission counts them)
+        self._compiling_lock = threading.Lock()
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -174,15 +184,33 @@ class EngineModel:
                 sender.send(error_response(exc), flags=FINAL)
                 continue
             self._live[id(call)] = call
-            try:
-                for generation in call.generations:
-                    generation.submitted = time.perf_counter()
-                    generation.engine_id = self.engine.submit(
-                        generation.request, lambda e, g=generation: self._on_emission(g, e)
-                    )
-            except Exception as exc:  # this request fails alone; the rest of the batch still goes in
-                self._refused(call, exc)
+            if any(g.request.guide is not None for g in call.generations):
+                self._count_compiling(len(call.generations))
+                self._guided.submit(self._submit, call, True)
+            else:
+                self._submit(call)
         return None
+
+    def _submit(self, call: _Call, guided: bool = False) -> None:
+        """Hands a call's generations to the engine; on a guided submitter thread for a guided call."""
+        try:
+            for generation in call.generations:
+                generation.submitted = time.perf_counter()
+                generation.engine_id = self.engine.submit(
+                    generation.request, lambda e, g=generation: self._on_emission(g, e)
+                )
+        except Exception as exc:  # this request fails alone; the rest of the batch still goes in
+            self._refused(call, exc)
+        else:
+            if guided and call.cancelled:  # cancelled or stopped while its guide compiled
+                self._cancel(call)
+        finally:
+            if guided:
+                self._count_compiling(-len(call.generations))
+
+    def _count_compiling(self, rows: int) -> None:
+        with self._compiling_lock:
+            self._compiling += rows
 
     def _refused(self, call: _Call, exc: Exception) -> None:
         """A generation the engine did not take: those it took are cancelled, and the request ends with `exc`; the
@@ -192,7 +220,7 @@ class EngineModel:
         call.sender.send(error_response(exc), flags=FINAL)
 
     def _admit(self, rows: int) -> None:
-        in_flight = self.engine.running()
+        in_flight = self.engine.running() + self._compiling
         if in_flight + rows > self.capacity:
             raise ServerBusy(
                 f"server busy: {in_flight} requests are in the engine and its limit is {self.capacity} "
@@ -296,6 +324,7 @@ class EngineModel:
         self._cancel(call)  # no-op for finished generations; frees the others' batch slots
 
     def _cancel(self, call: _Call) -> None:
+        call.cancelled = True
         for generation in call.generations:
             if generation.engine_id:
                 self.engine.cancel(generation.engine_id)
@@ -306,6 +335,7 @@ class EngineModel:
                 self._cancel(call)
 
     def finalize(self) -> None:
+        self._guided.shutdown(cancel_futures=True)
         self.engine.shutdown()
         self._outbox.close()
         # The model is in reference cycles (its sender thread holds its bound methods), so without this its

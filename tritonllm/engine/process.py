@@ -198,30 +198,21 @@ class EngineProcess(BlockingGenerate):
 # ---------------------------------------------------------------------- the child
 
 
-def serve(conn: Connection) -> int:
-    """Runs the engine the first message configures, until the connection ends or asks it to stop."""
-    from tritonllm.engine.portable import PortableEngine  # torch and transformers: only this process loads them
+def serve(conn: Connection, make_engine: Callable[[EngineConfig], BlockingGenerate] | None = None) -> int:
+    """Runs the engine the first message configures (PortableEngine unless `make_engine` says otherwise), until the
+    connection ends or asks it to stop."""
+    if make_engine is None:
+        from tritonllm.engine.portable import PortableEngine as make_engine  # torch: only this process loads it
 
     _, config = conn.recv()
     try:
-        engine = PortableEngine(config)
+        engine = make_engine(config)
     except BaseException as exc:
         traceback.print_exc()  # into the server's log; the parent's error names the exception
         conn.send(("failed", "".join(traceback.format_exception_only(exc)).strip()))
         return 1
     outgoing: queue.SimpleQueue = queue.SimpleQueue()
-    engine_ids: dict[str, str] = {}  # the parent's request ids -> the engine's, while they run
-    submitting = threading.Lock()  # a request may finish before `submit` has returned its id
-
-    def emitter(request_id: str) -> Callable[[Emission], None]:
-        def emit(emission: Emission) -> None:
-            if emission.final:
-                with submitting:
-                    engine_ids.pop(request_id, None)
-            outgoing.put((request_id, emission))
-
-        return emit
-
+    requests = _Requests(engine, outgoing)
     sender = threading.Thread(target=_send_emissions, args=(conn, outgoing, engine), name="engine-process-sender")
     conn.send(("ready", {"vocab_size": engine.vocab_size, "async_batching": engine.config.async_batching}))
     sender.start()
@@ -232,25 +223,76 @@ def serve(conn: Connection) -> int:
             break  # the parent is gone
         if message[0] == "submit":
             _, request_id, request = message
-            try:
-                with submitting:
-                    engine_ids[request_id] = engine.submit(request, emitter(request_id))
-            except InputError as exc:
-                outgoing.put((request_id, (REFUSED, exc.field, str(exc).removeprefix(f"{exc.field}: "))))
-            except Exception as exc:
-                outgoing.put((request_id, Emission([], FINISH_ERROR, str(exc))))
-            else:
-                if request.guide is not None:
-                    outgoing.put((request_id, (ADMITTED,)))
+            if request.guide is None:
+                requests.submit(request_id, request)
+            else:  # compiling a new grammar takes up to seconds: meanwhile this loop takes other requests
+                threading.Thread(target=requests.submit, args=(request_id, request), daemon=True).start()
         elif message[0] == "cancel":
-            if (engine_id := engine_ids.get(message[1])) is not None:
-                engine.cancel(engine_id)
+            requests.cancel(message[1])
         elif message[0] == "stop":
             break
     engine.shutdown()
     outgoing.put(None)
     sender.join()
     return 0
+
+
+class _Requests:
+    """The child's requests: the parent's ids -> the engine's, while they run. `submit` holds no lock while the
+    engine takes a request (and compiles its guide), so neither the engine's emissions nor other submits wait."""
+
+    def __init__(self, engine: BlockingGenerate, outgoing: queue.SimpleQueue) -> None:
+        self.engine = engine
+        self.outgoing = outgoing
+        self._lock = threading.Lock()
+        self._engine_ids: dict[str, str] = {}
+        self._submitting: set[str] = set()
+        self._ended: set[str] = set()  # ended before `submit` returned their engine id
+        self._cancelled: set[str] = set()  # cancelled before it did
+
+    def submit(self, request_id: str, request: GenerationRequest) -> None:
+        with self._lock:
+            self._submitting.add(request_id)
+        try:
+            engine_id = self.engine.submit(request, self._emitter(request_id))
+        except InputError as exc:
+            self.outgoing.put((request_id, (REFUSED, exc.field, str(exc).removeprefix(f"{exc.field}: "))))
+            engine_id = None
+        except Exception as exc:
+            self.outgoing.put((request_id, Emission([], FINISH_ERROR, str(exc))))
+            engine_id = None
+        with self._lock:
+            self._submitting.discard(request_id)
+            ended = request_id in self._ended
+            cancelled = request_id in self._cancelled
+            self._ended.discard(request_id)
+            self._cancelled.discard(request_id)
+            if engine_id is not None and not ended:
+                self._engine_ids[request_id] = engine_id
+        if engine_id is None:
+            return
+        if request.guide is not None:
+            self.outgoing.put((request_id, (ADMITTED,)))
+        if cancelled and not ended:
+            self.engine.cancel(engine_id)
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            engine_id = self._engine_ids.get(request_id)
+            if engine_id is None and request_id in self._submitting:
+                self._cancelled.add(request_id)
+        if engine_id is not None:
+            self.engine.cancel(engine_id)
+
+    def _emitter(self, request_id: str) -> Callable[[Emission], None]:
+        def emit(emission: Emission) -> None:
+            if emission.final:
+                with self._lock:
+                    if self._engine_ids.pop(request_id, None) is None and request_id in self._submitting:
+                        self._ended.add(request_id)
+            self.outgoing.put((request_id, emission))
+
+        return emit
 
 
 def _send_emissions(conn: Connection, outgoing: queue.SimpleQueue, engine) -> None:

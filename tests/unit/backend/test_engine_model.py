@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -45,8 +47,12 @@ class FakeEngine:
         self.cancel_ends = True
         self.is_alive = True
         self.warmups: list[GenerationRequest] = []
+        self.compiled = threading.Event()
+        self.compiled.set()
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        if request.guide is not None:  # as a real engine compiling a new grammar: until the test says
+            assert self.compiled.wait(10)
         if request.input_ids[0] == self.refuse:
             raise RuntimeError("the engine refused this one")
         engine_id = f"e{self.submitted}"
@@ -119,7 +125,11 @@ def model(pb_utils):
     model._live = {}
     model._finished = queue.SimpleQueue()
     model._outbox = InlineOutbox(model._send)
-    return model
+    model._guided = ThreadPoolExecutor(engine_model.GUIDED_SUBMITTERS)
+    model._compiling = 0
+    model._compiling_lock = threading.Lock()
+    yield model
+    model._guided.shutdown()
 
 
 def request(pb_utils, *prompts: list[int], request_id: str = "", requested: list[str] | None = None, **extra):
@@ -622,3 +632,37 @@ def test_num_output_tokens_counts_the_output_ids_as_tensorrt_llm_does(model, pb_
         pb_utils.get_output_tensor_by_name(r, "num_output_tokens").as_numpy().tolist() for r, _ in stream.sender.sent
     ]
     assert per_response == [[[1]], [[2]]]
+
+
+# A guided request's grammar compiles in the engine's `submit`, which can take seconds: not on Triton's thread.
+
+GUIDED = {
+    "guided_decoding_guide_type": np.array([[b"regex"]], dtype=object),
+    "guided_decoding_guide": np.array([[b"[0-9]+"]], dtype=object),
+}
+
+
+def test_a_compiling_guide_holds_up_neither_other_requests_nor_stops(model, pb_utils):
+    model.engine.compiled.clear()
+    guided = request(pb_utils, [1, 2], request_id="g", **GUIDED)
+    model.execute([guided])  # returns while the grammar compiles
+    plain = request(pb_utils, [3, 4])
+    model.execute([plain])
+    assert [r.input_ids for r, _ in model.engine.taken.values()] == [[3, 4]]
+    assert model._compiling == 1  # admission counts the row waiting on its grammar
+    stop = stop_request(pb_utils, "g")
+    model.execute([stop])
+    assert finals(pb_utils, stop.sender) == 1
+    model.engine.compiled.set()  # compiled: handed to the engine, and ended at once, as the stop asked
+    assert wait_for(lambda: guided.sender.closed)
+    model._guided.shutdown()
+    assert model._compiling == 0 and set(model.engine.cancels) == {"e1"}
+    assert finals(pb_utils, guided.sender) == 1 and model.engine.running() == 1
+
+
+def test_a_guided_request_the_engine_refuses_fails_alone(model, pb_utils):
+    refused = request(pb_utils, [7, 2], **GUIDED)
+    model.execute([refused])
+    model._guided.shutdown()
+    [(response, flags)] = refused.sender.sent
+    assert flags == FINAL and "refused this one" in response.error().message() and model._compiling == 0

@@ -7,13 +7,14 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import Pipe
 from pathlib import Path
 
 import pytest
 
-from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, SamplingParams
+from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, Guide, SamplingParams
 from tritonllm.engine.portable import PortableEngine
-from tritonllm.engine.process import EngineProcess, EngineProcessError
+from tritonllm.engine.process import ADMITTED, EngineProcess, EngineProcessError, serve
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, MAX_WORD_SEQUENCES
 
@@ -133,3 +134,60 @@ def test_the_child_exits_when_its_parent_dies(manifest):
 def test_a_failed_start_says_why(tmp_path):
     with pytest.raises(EngineProcessError, match=r"process failed to start: OSError: .*missing"):
         EngineProcess(EngineConfig(str(tmp_path / "missing")))
+
+
+class CompilingEngine:
+    """A stand-in engine whose `submit` of a guided request blocks until the test says, as a new grammar's compile
+    does; a plain request ends inside its `submit`, before its id is returned."""
+
+    vocab_size = 100
+    config = EngineConfig("unused")
+
+    def __init__(self) -> None:
+        self.compiled = threading.Event()
+        self.cancels: list[str] = []
+
+    def submit(self, request, emit) -> str:
+        if request.guide is None:
+            emit(Emission([5], FINISH_LENGTH))
+            return "plain"
+        assert self.compiled.wait(30)
+        return "guided"
+
+    def cancel(self, engine_id: str) -> None:
+        self.cancels.append(engine_id)
+
+    def in_batch(self) -> int:
+        return 0
+
+    def captured_graphs(self) -> int:
+        return 0
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_compiling_guide_holds_up_neither_emissions_nor_other_requests():
+    parent, child_end = Pipe()
+    engine = CompilingEngine()
+    served = threading.Thread(target=serve, args=(child_end, lambda _: engine), daemon=True)
+    served.start()
+    parent.send(("config", None))
+    assert parent.poll(10) and parent.recv()[0] == "ready"
+    guided = GenerationRequest([1, 2], max_new_tokens=1, guide=Guide("regex", "[0-9]+"))
+    parent.send(("submit", "p0", guided))
+    parent.send(("submit", "p1", GenerationRequest([1, 2], max_new_tokens=1)))
+    got = []
+    deadline = time.monotonic() + 10
+    while not any(request_id == "p1" for request_id, _ in got):
+        assert parent.poll(max(0.0, deadline - time.monotonic())), "the plain request waited on the compile"
+        got += parent.recv()[1]
+    parent.send(("cancel", "p0"))  # while its guide compiles: the engine cancels it once it has it
+    time.sleep(0.2)
+    engine.compiled.set()
+    while ("p0", (ADMITTED,)) not in got:
+        assert parent.poll(10)
+        got += parent.recv()[1]
+    parent.send(("stop",))
+    served.join(10)
+    assert engine.cancels == ["guided"] and not served.is_alive()
