@@ -7,7 +7,7 @@ python build_engines.py --model DIR_OR_GGUF  # another model
 
 import sys
 
-from tritonllm.build.builder import main
+from tritonllm.repository.builder import main
 
 if __name__ == "__main__":
     sys.exit(main())

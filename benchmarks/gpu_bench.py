@@ -666,8 +666,8 @@ def split_environment(build_args: list[str]) -> tuple[dict[str, str], list[str]]
 
 def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: list[str], build: Path) -> dict:
     """Build a repository with `build_args`, start tritonserver on it and measure; a stalled step is reported."""
-    from tritonllm.build.builder import main as build_main
     from tritonllm.launch.tritonserver import TritonServer
+    from tritonllm.repository.builder import main as build_main
 
     env, build_args = split_environment(build_args)
     code = build_main(

@@ -489,7 +489,7 @@ def plot(rows: list[Row], path: Path, concurrency: int) -> bool:
 
 
 def build_ours(out: Path, dtype: str, concurrency: int, prefix_cache: bool) -> Path:
-    from tritonllm.build.builder import main as build_main
+    from tritonllm.repository.builder import main as build_main
 
     build = out / f"ours-{dtype}{'-prefix-cache' if prefix_cache else ''}"
     options = ["--engine-impl", "llamacpp", "--dtype", dtype, "--max-batch-size", str(concurrency)]

@@ -430,7 +430,7 @@ def tokenizer_folder(tokenizer_dir: Path, out: Path) -> Path:
 
 def build_repository(args) -> Path:
     """The synthetic engine's repository, with the main build's tokenizer (or --model)."""
-    from tritonllm.build.builder import main as build_main
+    from tritonllm.repository.builder import main as build_main
 
     model = args.model
     if args.tokenizer_dir is not None:

@@ -25,7 +25,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """A whole-suite run (no paths given, as `make test`) stops when a test file under tests/ was not collected:
-    pytest skips folders by name (by default every `build`, which once hid tests/unit/build/)."""
+    pytest skips folders by name (by default every `build`, `dist` and `venv`)."""
     given = {(session.config.invocation_params.dir / arg).resolve() for arg in session.config.args}
     if given - {ROOT / "tests", ROOT}:
         return

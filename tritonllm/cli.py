@@ -10,7 +10,7 @@ import sys
 
 # command -> (module, what it does). perf and bench live in the source checkout's benchmarks/, not the package.
 COMMANDS = {
-    "build": ("tritonllm.build.builder", "render the model repository (and build a TensorRT-LLM engine)"),
+    "build": ("tritonllm.repository.builder", "render the model repository (and build a TensorRT-LLM engine)"),
     "serve": ("tritonllm.launch.serve", "serve the portable flavor: tritonserver and the OpenAI layer"),
     "serve-trtllm": ("tritonllm.launch.serve_trtllm", "serve the TensorRT-LLM flavor in NVIDIA's image"),
     "openai": ("tritonllm.openai.app", "the OpenAI-compatible layer alone, in front of a running server"),

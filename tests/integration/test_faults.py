@@ -118,7 +118,7 @@ def in_background(function, *args, **kwargs) -> tuple[threading.Thread, dict]:
 @pytest.fixture(scope="module")
 def engine_process_build(tmp_path_factory, manifest):
     """The default build with the engine in a process of its own (the default on CUDA)."""
-    from tritonllm.build.builder import main as build_main
+    from tritonllm.repository.builder import main as build_main
 
     build = tmp_path_factory.mktemp("engine-process")
     assert build_main(["--model", manifest["model_dir"], "--build-dir", str(build), "--engine-process"]) == 0

@@ -11,9 +11,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from client import GenerationError, generate, stream
-from tritonllm.build.builder import main as build_main
 from tritonllm.launch.tritonserver import TritonServer
 from tritonllm.protocol import infer_inputs
+from tritonllm.repository.builder import main as build_main
 
 
 @pytest.fixture(scope="module")

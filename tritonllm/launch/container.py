@@ -15,10 +15,10 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
-from tritonllm.build import builder
-from tritonllm.build.repository import stale_build
 from tritonllm.launch.tritonserver import CONTAINER_BINARY, admin_key, probe_engine, server_command
 from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
+from tritonllm.repository import builder
+from tritonllm.repository.render import stale_build
 from tritonllm.trtllm.engine_dir import EngineError, EngineInfo, check_version, read_engine
 
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tritonllm.build.repository import stale_build
 from tritonllm.launch.tritonserver import (
     OpenAIFrontend,
     ServerError,
@@ -19,6 +18,7 @@ from tritonllm.launch.tritonserver import (
     admin_key,
     probe_engine,
 )
+from tritonllm.repository.render import stale_build
 
 
 def _interrupt(signum: int, frame: object) -> None:

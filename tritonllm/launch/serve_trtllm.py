@@ -16,9 +16,9 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from tritonllm.build.repository import stale_build
 from tritonllm.launch import container
 from tritonllm.launch.tritonserver import add_address_options
+from tritonllm.repository.render import stale_build
 from tritonllm.trtllm import docker
 from tritonllm.trtllm.engine_dir import EngineError, EngineInfo, check_version, read_engine
 from tritonllm.versions import TRTLLM_VERSION

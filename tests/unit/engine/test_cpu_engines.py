@@ -10,9 +10,9 @@ import torch
 
 from tests.conftest import BUILD
 from tests.unit.engine.conftest import chat_ids
-from tritonllm.build.model_source import default_model_file, retype_gguf
 from tritonllm.engine.api import LLAMACPP, TRANSFORMERS, EngineConfig, GenerationRequest, SamplingParams
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+from tritonllm.repository.model_source import default_model_file, retype_gguf
 
 
 def make_engine(manifest, impl: str, **options):

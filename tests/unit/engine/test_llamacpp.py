@@ -11,10 +11,10 @@ import torch
 from tests.conftest import BUILD
 from tests.unit.engine.conftest import chat_ids
 from tests.unit.engine.test_cpu_engines import make_engine
-from tritonllm.build.model_source import default_model_file, retype_gguf
 from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, TRANSFORMERS, EngineConfig, GenerationRequest, Penalties
 from tritonllm.errors import ConfigError, EngineFailure, InputError
 from tritonllm.protocol import FINISH_LENGTH
+from tritonllm.repository.model_source import default_model_file, retype_gguf
 
 CACHE_TOKENS = 4096
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain."]

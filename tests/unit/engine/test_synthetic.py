@@ -5,11 +5,11 @@ import threading
 
 import pytest
 
-from tritonllm.build.builder import main as build_main
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+from tritonllm.repository.builder import main as build_main
 
 TEXT = tuple(range(100, 140))
 

@@ -20,9 +20,6 @@ import pytest
 from tests.conftest import ROOT
 from tritonllm import versions
 from tritonllm.backend.model_config import parse_config
-from tritonllm.build.builder import BuildError, plan_trtllm
-from tritonllm.build.builder import main as builder_main
-from tritonllm.build.repository import TEMPLATES, read_config, render_configs, templates_digest, write_repository
 from tritonllm.launch import container, serve_trtllm
 from tritonllm.launch.serve_trtllm import load_build
 from tritonllm.launch.tritonserver import (
@@ -32,6 +29,9 @@ from tritonllm.launch.tritonserver import (
     server_command,
 )
 from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL, PORTS
+from tritonllm.repository.builder import main as builder_main
+from tritonllm.repository.plan import BuildError, plan_trtllm
+from tritonllm.repository.render import TEMPLATES, read_config, render_configs, templates_digest, write_repository
 from tritonllm.trtllm import docker
 from tritonllm.trtllm.engine_build import TrtllmApi, TrtllmBuildError, TrtllmBuildOptions, build_engine
 from tritonllm.trtllm.engine_dir import EngineError, check_version, read_engine
@@ -246,7 +246,7 @@ def test_no_trtllm_model_declares_the_portable_engines_additions(engine_dir, tok
     for name, (_, config) in configs.items():
         tensors = {t.name for t in [*config.input, *config.output]}
         assert not tensors & PORTABLE_ADDITIONS, name
-    from tests.unit.build.test_repository import DECOUPLED_VALUES, VALUES
+    from tests.unit.repository.test_render import DECOUPLED_VALUES, VALUES
 
     portable = render_configs(DECOUPLED_VALUES if decoupled_mode else VALUES, decoupled_mode=decoupled_mode)
     for name in ("ensemble", "tensorrt_llm_bls", ENGINE_MODEL):
@@ -256,7 +256,7 @@ def test_no_trtllm_model_declares_the_portable_engines_additions(engine_dir, tok
 
 def test_client_facing_io_is_identical_in_both_flavors(engine_dir, tokenizer_dir):
     trt = {n: c for n, (_, c) in render_configs(trtllm_values(engine_dir, tokenizer_dir), flavor="trtllm").items()}
-    from tests.unit.build.test_repository import VALUES
+    from tests.unit.repository.test_render import VALUES
 
     portable = {n: c for n, (_, c) in render_configs(VALUES).items()}
     assert set(trt) == set(portable)
@@ -620,7 +620,7 @@ def test_serve_trtllm_in_the_image_launches_with_the_recorded_options(tmp_path, 
 
 
 def test_build_once_skips_a_build_it_already_made(tmp_path, monkeypatch):
-    from tritonllm.build import builder as build
+    from tritonllm.repository import builder as build
 
     calls = []
     monkeypatch.setattr(build, "main", lambda args: calls.append(args) or 0)
@@ -781,7 +781,7 @@ def test_launch_of_a_single_gpu_engine_needs_no_mpirun(tmp_path, monkeypatch, en
 
 def test_the_engine_build_in_the_image_mounts_the_build_model_and_engine_folders(tmp_path, monkeypatch):
     """The engine built in the image must land where the host's build renders its configs to look for it."""
-    from tritonllm.build import builder
+    from tritonllm.repository import builder
 
     project, outside = tmp_path / "project", tmp_path / "elsewhere"
     project.mkdir()

@@ -1,14 +1,14 @@
 """docs/options.md is generated from the option definitions and must match them."""
 
 from tests.conftest import ROOT
-from tritonllm.build import options_doc
-from tritonllm.build.builder import engine_options
 from tritonllm.options import flag_of
+from tritonllm.repository import options_doc
+from tritonllm.repository.plan import engine_options
 
 
 def test_options_doc_is_current():
     assert (ROOT / options_doc.DOC).read_text() == options_doc.render(), (
-        "docs/options.md is stale: run `python -m tritonllm.build.options_doc`"
+        "docs/options.md is stale: run `python -m tritonllm.repository.options_doc`"
     )
 
 

@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from tritonllm.build.builder import (
+from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
+from tritonllm.protocol import PERF_OUTPUTS
+from tritonllm.repository.builder import main, parse_args
+from tritonllm.repository.plan import (
     MAX_BACKEND_THREADS,
     BuildError,
     BuildPlan,
     engine_options,
-    main,
-    parse_args,
     plan_portable,
     text_instances,
 )
-from tritonllm.build.repository import (
+from tritonllm.repository.render import (
     TEMPLATES,
     RepositoryError,
     render_configs,
@@ -27,8 +28,6 @@ from tritonllm.build.repository import (
     templates_digest,
     write_repository,
 )
-from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
-from tritonllm.protocol import PERF_OUTPUTS
 
 PLAN = BuildPlan(
     engine="portable",
@@ -308,7 +307,7 @@ def test_the_default_queue_admits_at_least_128_requests_and_as_many_waiting_as_r
     many as the batch (16 + 16): a dropped stream's seat is freed a few tenths of a second late."""
     from dataclasses import replace
 
-    from tritonllm.build.builder import DEFAULT_ADMITTED
+    from tritonllm.repository.plan import DEFAULT_ADMITTED
 
     assert [replace(PLAN, max_batch_size=b).queue_size for b in (8, 16, 64, 256)] == [120, 112, 64, 256]
     assert replace(PLAN, max_batch_size=16, max_queue_size=4).queue_size == 4, "--max-queue-size as given"

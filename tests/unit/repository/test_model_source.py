@@ -8,8 +8,8 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
-from tritonllm.build import model_source
-from tritonllm.build.model_source import ModelSourceError
+from tritonllm.repository import model_source
+from tritonllm.repository.model_source import ModelSourceError
 
 SAFETENSORS_REPO = {
     "config.json": "{}",

@@ -6,7 +6,7 @@ import sys
 import zipfile
 
 from tests.conftest import ROOT
-from tritonllm.build.repository import TEMPLATES
+from tritonllm.repository.render import TEMPLATES
 
 
 def test_the_wheel_carries_every_template(tmp_path):
@@ -20,7 +20,7 @@ def test_the_wheel_carries_every_template(tmp_path):
     (wheel,) = tmp_path.glob("tritonllm-*.whl")
     packaged = {name for name in zipfile.ZipFile(wheel).namelist() if "/model_repository/" in name}
     expected = {
-        f"tritonllm/build/model_repository/{path.relative_to(TEMPLATES).as_posix()}"
+        f"tritonllm/repository/model_repository/{path.relative_to(TEMPLATES).as_posix()}"
         for path in TEMPLATES.rglob("*")
         if path.is_file() and "__pycache__" not in path.parts
     }
