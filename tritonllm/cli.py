@@ -1,32 +1,82 @@
 """`tritonllm COMMAND ...`: one entry point for every command; the Makefile's targets call it.
 
-Each command's own options: `tritonllm COMMAND --help`.
+The package's own commands are imported here, when run; the benchmarks, which live in the source checkout's
+benchmarks/ and not in the package, declare themselves as entry points of the `tritonllm.commands` group
+(pyproject.toml), so the runtime package never names them. Each command's own options: `tritonllm COMMAND --help`.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
 
-# command -> (module, what it does). perf and bench live in the source checkout's benchmarks/, not the package.
-COMMANDS = {
-    "build": ("tritonllm.repository.builder", "render the model repository (and build a TensorRT-LLM engine)"),
-    "serve": ("tritonllm.launch.serve", "serve the portable flavor: tritonserver and the OpenAI layer"),
-    "serve-trtllm": ("tritonllm.launch.serve_trtllm", "serve the TensorRT-LLM flavor in NVIDIA's image"),
-    "openai": ("tritonllm.openai.app", "the OpenAI-compatible layer alone, in front of a running server"),
-    "container": ("tritonllm.launch.container", "the image's entrypoint: build-once, launch, probe"),
-    "probe": ("tritonllm.launch.container", "exit 0 when the engine answers (a liveness probe)"),
-    "preflight": ("tritonllm.launch.preflight", "check this host before installing"),
-    "perf": ("benchmarks.perf", "perf_analyzer and genai-perf sweeps (source checkout)"),
-    "bench": ("benchmarks.bench", "the CPU ratios benchmark (source checkout)"),
-    "bench-pipeline": ("benchmarks.pipeline", "the pipeline's ceiling over the synthetic engine (source checkout)"),
-    "bench-peers": ("benchmarks.peers", "this server beside llama.cpp's and vLLM's on the CPU (source checkout)"),
+PLUGIN_GROUP = "tritonllm.commands"
+
+
+def _build(argv: list[str]) -> int:
+    from tritonllm.repository import builder
+
+    return builder.main(argv)
+
+
+def _serve(argv: list[str]) -> int:
+    from tritonllm.launch import serve
+
+    return serve.main(argv)
+
+
+def _serve_trtllm(argv: list[str]) -> int:
+    from tritonllm.launch import serve_trtllm
+
+    return serve_trtllm.main(argv)
+
+
+def _openai(argv: list[str]) -> int:
+    from tritonllm.openai import app
+
+    return app.main(argv)
+
+
+def _container(argv: list[str]) -> int:
+    from tritonllm.launch import container
+
+    return container.main(argv)
+
+
+def _probe(argv: list[str]) -> int:
+    from tritonllm.launch import container
+
+    return container.main(["probe", *argv])
+
+
+def _preflight(argv: list[str]) -> int:
+    from tritonllm.launch import preflight
+
+    return preflight.main()
+
+
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "build": (_build, "render the model repository (and build a TensorRT-LLM engine)"),
+    "serve": (_serve, "serve the portable flavor: tritonserver and the OpenAI layer"),
+    "serve-trtllm": (_serve_trtllm, "serve the TensorRT-LLM flavor in NVIDIA's image"),
+    "openai": (_openai, "the OpenAI-compatible layer alone, in front of a running server"),
+    "container": (_container, "the image's entrypoint: build-once, launch, probe"),
+    "probe": (_probe, "exit 0 when the engine answers (a liveness probe)"),
+    "preflight": (_preflight, "check this host before installing"),
 }
 
 
+def plugins() -> dict[str, EntryPoint]:
+    """The commands declared by the source checkout (the benchmarks), by name."""
+    return {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name not in COMMANDS}
+
+
 def usage() -> str:
-    width = max(map(len, COMMANDS))
-    lines = [f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()]
+    listed = {name: what for name, (_, what) in COMMANDS.items()}
+    listed.update({name: f"{ep.value.partition(':')[0]} (source checkout)" for name, ep in plugins().items()})
+    width = max(map(len, listed))
+    lines = [f"  {name:<{width}}  {what}" for name, what in listed.items()]
     return "usage: tritonllm COMMAND [OPTIONS]\n\ncommands:\n" + "\n".join(lines)
 
 
@@ -36,23 +86,19 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command not in COMMANDS:
+    if command in COMMANDS:
+        run = COMMANDS[command][0]
+    elif (plugin := plugins().get(command)) is not None:
+        try:
+            run = plugin.load()
+        except ModuleNotFoundError as exc:
+            print(f"tritonllm {command}: needs the source checkout ({exc.name} is not importable)", file=sys.stderr)
+            return 2
+    else:
         print(f"tritonllm: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module_name = COMMANDS[command][0]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
-            print(f"tritonllm {command}: needs the source checkout ({module_name} is not installed)", file=sys.stderr)
-            return 2
-        raise
     sys.argv[0] = f"tritonllm {command}"  # argparse's usage line names the command
-    if command == "probe":
-        rest = ["probe", *rest]
-    if command == "preflight":
-        return module.main()
-    return module.main(rest)
+    return run(rest)
 
 
 if __name__ == "__main__":
