@@ -15,7 +15,8 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
-from tritonllm.launch.tritonserver import CONTAINER_BINARY, admin_key, probe_engine, server_command
+from tritonllm.launch.server_command import CONTAINER_BINARY, admin_key, server_command
+from tritonllm.launch.tritonserver import probe_engine
 from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
 from tritonllm.repository import builder
 from tritonllm.repository.render import stale_build

@@ -10,14 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tritonllm.launch.tritonserver import (
-    OpenAIFrontend,
-    ServerError,
-    TritonServer,
-    add_address_options,
-    admin_key,
-    probe_engine,
-)
+from tritonllm.launch.pytriton_wheel import ServerError
+from tritonllm.launch.server_command import add_address_options, admin_key
+from tritonllm.launch.tritonserver import OpenAIFrontend, TritonServer, probe_engine
 from tritonllm.repository.render import stale_build
 
 

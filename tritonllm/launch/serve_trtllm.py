@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from tritonllm.launch import container
-from tritonllm.launch.tritonserver import add_address_options
+from tritonllm.launch.server_command import add_address_options
 from tritonllm.repository.render import stale_build
 from tritonllm.trtllm import docker
 from tritonllm.trtllm.engine_dir import EngineError, EngineInfo, check_version, read_engine

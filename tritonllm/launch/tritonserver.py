@@ -1,95 +1,21 @@
-"""Run the `tritonserver` 2.51 binary shipped in the `nvidia-pytriton` wheel, without Docker.
-
-Only the binary is used, not PyTriton's API. Its Python backend needs a stub built for this
-Python version next to `libtriton_python.so`, the wheel's bundled libraries and the interpreter's
-libpython on LD_LIBRARY_PATH (libpython's folder only where the loader would not find it), and this
-environment's `bin/` first on PATH so that the stub imports this environment's packages (numpy,
-torch, transformers, tritonllm).
-"""
+"""A `tritonserver` process from the `nvidia-pytriton` wheel (pytriton_wheel.py) on a built repository, the
+OpenAI layer's process beside it, and what launchers, tests and benchmarks ask of a running server: readiness,
+the engine's health probe, metrics, free ports."""
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tritonllm.errors import TritonLLMError
-from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL, PORTS, infer_inputs, stop_request_tensors
-
-# In NVIDIA's images; there the server listens on the default ports (PORTS), which `docker run` publishes.
-CONTAINER_BINARY = "/opt/tritonserver/bin/tritonserver"
-
-
-class ServerError(TritonLLMError, RuntimeError):
-    """tritonserver cannot start, or stopped; the message says why and what to do."""
-
-
-def pytriton_root() -> Path:
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise ServerError("The nvidia-pytriton wheel (which carries tritonserver) is not installed: run `make build`.")
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def prepare_backends(work_dir: Path) -> Path:
-    """A backend folder whose Python backend has the stub for this interpreter; returns it."""
-    server_root = pytriton_root() / "tritonserver"
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = server_root / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not stub.is_file():
-        raise ServerError(f"tritonserver's Python backend has no stub for Python {version}; use Python 3.8 to 3.13.")
-    python_backend = work_dir / "backends" / "python"
-    python_backend.mkdir(parents=True, exist_ok=True)
-    # Written aside, then renamed into place: a server already running from this folder keeps its files.
-    for item in (server_root / "backends" / "python").iterdir():
-        if item.is_file():
-            staged = python_backend / f".{item.name}.{os.getpid()}"
-            staged.unlink(missing_ok=True)
-            staged.symlink_to(item)
-            os.replace(staged, python_backend / item.name)
-    staged = python_backend / f".{stub.name}.{os.getpid()}"
-    shutil.copy2(stub, staged)
-    staged.chmod(0o755)
-    os.replace(staged, python_backend / stub.name)
-    return work_dir / "backends"
-
-
-def loader_dirs() -> set[Path]:
-    """The directories of the dynamic loader's cache (resolved): searched without LD_LIBRARY_PATH."""
-    try:
-        listing = subprocess.run(["/sbin/ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return set()
-    return {Path(line.rsplit("=> ", 1)[1]).parent.resolve() for line in listing.splitlines() if "=> " in line}
-
-
-def server_env() -> dict[str, str]:
-    env = dict(os.environ)
-    libs = [str(pytriton_root().parent / "nvidia_pytriton.libs")]  # hashed names: they shadow nothing
-    libdir = sysconfig.get_config_var("LIBDIR")
-    # The stub links this interpreter's libpython. Its folder goes on LD_LIBRARY_PATH only when the
-    # loader would not search it anyway: LD_LIBRARY_PATH outranks the RUNPATH through which pip's
-    # CUDA libraries find each other, so a system folder there (with the image's own cuDNN) gave
-    # torch in the engine's stub a mix of two cuDNN releases and no cuDNN attention: served steps
-    # ran much slower than in-process on a GPU.
-    if libdir and Path(libdir).resolve() not in loader_dirs():
-        libs.insert(0, libdir)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
+from tritonllm.launch.pytriton_wheel import ServerError, prepare_backends, pytriton_root, server_env
+from tritonllm.launch.server_command import build_options, server_command
+from tritonllm.protocol import ENGINE_MODEL, infer_inputs, stop_request_tensors
 
 
 def metric_samples(text: str, prefix: str = "tritonllm_") -> dict[str, float]:
@@ -218,96 +144,6 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def add_address_options(parser: argparse.ArgumentParser) -> None:
-    """The host and port flags every launcher shares, with Triton's default ports (protocol.PORTS)."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind or publish on (default: loopback only)")
-    for api, port in PORTS.items():
-        parser.add_argument(f"--{api}-port", type=int, default=port, help=f"Triton's {api} port (default: {port})")
-
-
-def build_options(repository: Path) -> list[str]:
-    """The server options the build recorded for this repository (BuildPlan.server_options)."""
-    manifest = repository.parent / "manifest.json"
-    return json.loads(manifest.read_text()).get("server_options", []) if manifest.is_file() else []
-
-
-def server_command(
-    binary: Path | str,
-    repository: Path,
-    *,
-    address: str,
-    ports: dict[str, int],
-    build_options: Sequence[str] = (),
-    admin_key: str | None = None,
-    exit_timeout: int | None = None,
-    backend_dir: Path | None = None,
-    world_size: int = 1,
-    engine_model: str = DECOUPLED_ENGINE_MODEL,
-) -> list[str]:
-    """The tritonserver command line every launcher runs: the repository, addresses and ports, the options
-    the build recorded, the restricted administrative APIs, and for a multi-GPU TensorRT-LLM engine one
-    server per rank under MPI (the tensorrtllm backend's leader mode: each rank gets its own Python-backend
-    shared-memory prefix, and ranks other than 0 load only the engine model: the manifest's engine_model,
-    tensorrt_llm_decoupled by default, tensorrt_llm in the decoupled deployment)."""
-    args = [
-        str(binary),
-        f"--model-repository={repository}",
-        *([f"--backend-directory={backend_dir}"] if backend_dir else []),
-        *(
-            f"--{api}-{what}={value}"
-            for api in ("http", "grpc", "metrics")
-            for what, value in (("address", address), ("port", ports[api]))
-        ),
-        "--disable-auto-complete-config",
-        "--exit-on-error=true",
-        *([f"--exit-timeout-secs={exit_timeout}"] if exit_timeout is not None else []),
-        *build_options,
-        *restricted_api_flags(admin_key),
-    ]
-    if world_size == 1:
-        return args
-    command = ["mpirun", "--allow-run-as-root"]
-    for rank in range(world_size):
-        command += ["-n", "1", *args, f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
-        if rank:
-            command += ["--model-control-mode=explicit", f"--load-model={engine_model}"]
-        command.append(":")
-    return command[:-1]
-
-
-RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
-ADMIN_HEADER = "tritonllm-admin-key"
-
-
-def restricted_api_flags(key: str | None) -> list[str]:
-    """Triton's own restricted-API options: loading/unloading models, shared memory, logging and
-    tracing answer only requests that carry the key (inference, health and metadata stay open)."""
-    if not key:
-        return []
-    return [
-        f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
-        f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
-    ]
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
-
-
-def admin_key(host: str, given: str | None, who: str) -> str | None:
-    """The key the administrative APIs need: the one given, or when the server listens beyond loopback, a random
-    one, printed (`who` says which launcher), so that no address reachable from outside serves them open."""
-    if given or is_loopback(host):
-        return given or None
-    key = secrets.token_urlsafe(24)
-    print(
-        f"{who}: listening on {host}: the administrative APIs need header {ADMIN_HEADER}: {key} "
-        "(set TRITONLLM_ADMIN_KEY to choose it)",
-        flush=True,
-    )
-    return key
 
 
 def probe_engine(grpc_url: str, engine_model: str = ENGINE_MODEL, timeout: float = 10.0) -> str | None:

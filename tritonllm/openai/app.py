@@ -24,8 +24,9 @@ from fastapi.responses import JSONResponse
 
 from tritonllm.errors import ErrorKind
 from tritonllm.openai import routes
+from tritonllm.openai.chat_models import ChatRequest
 from tritonllm.openai.generation import Generator
-from tritonllm.openai.models import APIError, ChatRequest, CompletionRequest, Settings
+from tritonllm.openai.models import APIError, CompletionRequest, Settings
 from tritonllm.protocol import OPENAI_PORT, PORTS
 
 

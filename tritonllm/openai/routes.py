@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from tritonllm.errors import ErrorKind
+from tritonllm.openai.chat_models import ChatRequest
 from tritonllm.openai.generation import Generator, started
 from tritonllm.openai.models import (
     APIError,
-    ChatRequest,
     CompletionRequest,
     Generation,
     SamplingRequest,

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from tritonllm.openai.models import NO_OPS, UNSUPPORTED, APIError, ChatRequest, CompletionRequest
+from tritonllm.openai.chat_models import ChatRequest
+from tritonllm.openai.models import NO_OPS, UNSUPPORTED, APIError, CompletionRequest
 from tritonllm.protocol import SCALAR_INPUTS, request_tensors
 
 VOCAB = 1000

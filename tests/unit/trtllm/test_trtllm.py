@@ -22,7 +22,7 @@ from tritonllm import versions
 from tritonllm.backend.model_config import parse_config
 from tritonllm.launch import container, serve_trtllm
 from tritonllm.launch.serve_trtllm import load_build
-from tritonllm.launch.tritonserver import (
+from tritonllm.launch.server_command import (
     ADMIN_HEADER,
     CONTAINER_BINARY,
     RESTRICTED_APIS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tritonllm.launch import tritonserver as server
+from tritonllm.launch import pytriton_wheel as server
 
 
 def with_libdir(monkeypatch, libdir: str, searched: set[Path]) -> list[str]:

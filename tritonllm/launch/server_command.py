@@ -1,0 +1,104 @@
+"""The tritonserver command line every launcher runs, the restricted administrative APIs and their key."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+from collections.abc import Sequence
+from pathlib import Path
+
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
+
+# In NVIDIA's images; there the server listens on the default ports (PORTS), which `docker run` publishes.
+CONTAINER_BINARY = "/opt/tritonserver/bin/tritonserver"
+
+
+def add_address_options(parser: argparse.ArgumentParser) -> None:
+    """The host and port flags every launcher shares, with Triton's default ports (protocol.PORTS)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind or publish on (default: loopback only)")
+    for api, port in PORTS.items():
+        parser.add_argument(f"--{api}-port", type=int, default=port, help=f"Triton's {api} port (default: {port})")
+
+
+def build_options(repository: Path) -> list[str]:
+    """The server options the build recorded for this repository (BuildPlan.server_options)."""
+    manifest = repository.parent / "manifest.json"
+    return json.loads(manifest.read_text()).get("server_options", []) if manifest.is_file() else []
+
+
+def server_command(
+    binary: Path | str,
+    repository: Path,
+    *,
+    address: str,
+    ports: dict[str, int],
+    build_options: Sequence[str] = (),
+    admin_key: str | None = None,
+    exit_timeout: int | None = None,
+    backend_dir: Path | None = None,
+    world_size: int = 1,
+    engine_model: str = DECOUPLED_ENGINE_MODEL,
+) -> list[str]:
+    """The tritonserver command line every launcher runs: the repository, addresses and ports, the options
+    the build recorded, the restricted administrative APIs, and for a multi-GPU TensorRT-LLM engine one
+    server per rank under MPI (the tensorrtllm backend's leader mode: each rank gets its own Python-backend
+    shared-memory prefix, and ranks other than 0 load only the engine model: the manifest's engine_model,
+    tensorrt_llm_decoupled by default, tensorrt_llm in the decoupled deployment)."""
+    args = [
+        str(binary),
+        f"--model-repository={repository}",
+        *([f"--backend-directory={backend_dir}"] if backend_dir else []),
+        *(
+            f"--{api}-{what}={value}"
+            for api in ("http", "grpc", "metrics")
+            for what, value in (("address", address), ("port", ports[api]))
+        ),
+        "--disable-auto-complete-config",
+        "--exit-on-error=true",
+        *([f"--exit-timeout-secs={exit_timeout}"] if exit_timeout is not None else []),
+        *build_options,
+        *restricted_api_flags(admin_key),
+    ]
+    if world_size == 1:
+        return args
+    command = ["mpirun", "--allow-run-as-root"]
+    for rank in range(world_size):
+        command += ["-n", "1", *args, f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        if rank:
+            command += ["--model-control-mode=explicit", f"--load-model={engine_model}"]
+        command.append(":")
+    return command[:-1]
+
+
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
+ADMIN_HEADER = "tritonllm-admin-key"
+
+
+def restricted_api_flags(key: str | None) -> list[str]:
+    """Triton's own restricted-API options: loading/unloading models, shared memory, logging and
+    tracing answer only requests that carry the key (inference, health and metadata stay open)."""
+    if not key:
+        return []
+    return [
+        f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
+        f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
+    ]
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def admin_key(host: str, given: str | None, who: str) -> str | None:
+    """The key the administrative APIs need: the one given, or when the server listens beyond loopback, a random
+    one, printed (`who` says which launcher), so that no address reachable from outside serves them open."""
+    if given or is_loopback(host):
+        return given or None
+    key = secrets.token_urlsafe(24)
+    print(
+        f"{who}: listening on {host}: the administrative APIs need header {ADMIN_HEADER}: {key} "
+        "(set TRITONLLM_ADMIN_KEY to choose it)",
+        flush=True,
+    )
+    return key
