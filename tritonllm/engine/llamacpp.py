@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,12 +40,12 @@ from tritonllm.engine.api import (
     GenerationRequest,
     TokenLogProbs,
     check_request,
-    ends_with,
 )
 from tritonllm.engine.checks import check_controls
 from tritonllm.engine.cpu_threads import start_yielding
+from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.errors import EngineFailure, InputError
-from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -54,24 +54,13 @@ _LOG_WARN, _LOG_ERROR, _LOG_CONT = 3, 4, 5
 
 
 @dataclass(eq=False)
-class _Sequence:
+class _Sequence(Lifecycle):
     request_id: str
-    request: GenerationRequest
-    emit: Callable[[Emission], None]
     controls: object | None  # RowControls or _GreedyBias, for a request that uses any
     pending: list[int]  # tokens to feed: the prompt, then each generated token
     reserved: int  # KV cache cells held for it: its prompt and its new tokens
     position: int = 0  # tokens in the KV cache
-    cached: int = 0  # of them, those it started with: an earlier request's (the prefix cache)
     seq_id: int = -1  # llama.cpp's sequence id, once in the batch
-    tokens: list[int] = field(default_factory=list)  # generated, end id excluded
-    log_probs: list[TokenLogProbs] = field(default_factory=list)
-    sent: int = 0  # tokens already emitted (streaming)
-    submitted: float = field(default_factory=time.perf_counter)
-    scheduled: float | None = None  # when it joined the running batch
-    first_token: float | None = None
-    last_token: float | None = None
-    done: bool = False  # finished: the step loop frees its sequence
 
 
 class _Batch:
@@ -209,7 +198,7 @@ class LlamaCppEngine(BlockingGenerate):
         if reserved > self.cache_tokens:
             raise EngineFailure(f"a request of {reserved} tokens does not fit the KV cache of {self.cache_tokens}")
         controls = self._controls(request, request_id)
-        sequence = _Sequence(request_id, request, emit, controls, list(request.input_ids), reserved)
+        sequence = _Sequence(request_id, controls, list(request.input_ids), reserved, request=request, emit=emit)
         with self._lock:  # under the lock _fail_all holds: a request is refused here or finished there, never lost
             if self._stopped is not None:
                 raise EngineFailure(f"{self._stopped} (see the server log)")
@@ -388,61 +377,22 @@ class LlamaCppEngine(BlockingGenerate):
             self._advance(sequence, token, log_probs, now)
 
     def _advance(self, sequence: _Sequence, token: int, log_probs: TokenLogProbs | None, now: float) -> None:
-        request = sequence.request
         with self._lock:
             if sequence.done:  # cancelled while its step ran
                 return
-            if sequence.first_token is None:
-                sequence.first_token = now
-            sequence.last_token = now
-            reason = None
-            if token == request.end_id:
-                reason = FINISH_EOS
-            else:
-                sequence.tokens.append(token)
+            reason = sequence.take(token, log_probs, now)
+            if reason is None:
                 sequence.pending.append(token)
-                if log_probs is not None:
-                    sequence.log_probs.append(log_probs)
-                if any(ends_with(sequence.tokens, word) for word in request.stop_words):
-                    reason = FINISH_STOP
-                elif len(sequence.tokens) >= request.max_new_tokens:
-                    reason = FINISH_LENGTH
-            if reason is not None:
+                sequence.emit_new()
+            else:
                 self._finish(sequence, reason)
-            elif request.streaming:
-                start, sequence.sent = sequence.sent, len(sequence.tokens)
-                sequence.emit(Emission(sequence.tokens[start:], log_probs=self._log_probs(sequence, start)))
 
     def _finish(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
         """The request's final emission (under the lock); the step loop frees its place."""
-        sequence.done = True
         self._sequences.pop(sequence.request_id, None)
         if self._guides is not None and sequence.request.guide is not None:
             self._guides.release(sequence.request_id)
-        start = sequence.sent if sequence.request.streaming else 0
-        sequence.sent = len(sequence.tokens)
-        ttft = tpot = None
-        if sequence.first_token is not None:
-            ttft = sequence.first_token - sequence.submitted
-            steps = len(sequence.tokens) + (reason == FINISH_EOS) - 1
-            if steps > 0 and sequence.last_token is not None:
-                tpot = (sequence.last_token - sequence.first_token) / steps
-        sequence.emit(
-            Emission(
-                sequence.tokens[start:],
-                reason,
-                error,
-                log_probs=self._log_probs(sequence, start),
-                time_to_first_token=ttft,
-                time_per_output_token=tpot,
-                time_to_schedule=None if sequence.scheduled is None else sequence.scheduled - sequence.submitted,
-                cached_tokens=sequence.cached,
-            )
-        )
-
-    @staticmethod
-    def _log_probs(sequence: _Sequence, start: int) -> list[TokenLogProbs] | None:
-        return sequence.log_probs[start:] if sequence.request.log_probs >= 0 else None
+        sequence.finish(reason, error)
 
     def _fail_all(self, error: str) -> None:
         """Ends every request with `error`; the engine takes no more (submit raises)."""

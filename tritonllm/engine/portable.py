@@ -14,7 +14,6 @@ import inspect
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,14 +29,13 @@ from tritonllm.engine.api import (
     Emission,
     EngineConfig,
     GenerationRequest,
-    TokenLogProbs,
     check_request,
-    ends_with,
 )
 from tritonllm.engine.checks import check_batching, check_controls
 from tritonllm.engine.controls import EmbeddingBias, LogProbs, Penalties, RequestSlots, attach_log_probs
 from tritonllm.engine.cpu_threads import on_fresh_thread, start_yielding
 from tritonllm.engine.guided import GuidedDecoding, Guides
+from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.engine.norms import fuse_rms_norms
 from tritonllm.engine.projections import merge_projections
 from tritonllm.engine.sampling import key_graphs_by_processors, request_processors
@@ -45,7 +43,6 @@ from tritonllm.engine.step_graphs import graph_steps_up_to
 from tritonllm.errors import ConfigError, EngineFailure
 from tritonllm.protocol import (
     FINISH_CANCELLED,
-    FINISH_EOS,
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -64,20 +61,11 @@ GRAPH_Q_PADDING = 16
 GRAPH_KV_PADDING = 4096
 
 
-@dataclass
-class _Active:
-    request: GenerationRequest
-    emit: Callable[[Emission], None]
-    tokens: list[int] = field(default_factory=list)  # generated so far, end id excluded
-    log_probs: list[TokenLogProbs] = field(default_factory=list)  # one per token of `tokens`, when asked
-    seen: int = 0  # tokens of the manager's output already processed
-    sent: int = 0  # tokens already emitted (streaming)
-    submitted: float = field(default_factory=time.perf_counter)
-    token_times: tuple[float, float] | None = None  # (first, last) generated token, perf_counter clock
+@dataclass(eq=False)
+class _Active(Lifecycle):
     # The router's advance and a cancel from another thread both read and emit the tokens: they take turns, and
     # nothing is emitted after the final emission (done).
     lock: threading.RLock = field(default_factory=threading.RLock)
-    done: bool = False
 
 
 class PortableEngine(BlockingGenerate):
@@ -194,7 +182,7 @@ class PortableEngine(BlockingGenerate):
         check_batching(request, self.config.async_batching)
         compiled = self.guides.compile(request.guide) if request.guide is not None else None
         request_id = f"r{next(self._ids)}"
-        active = _Active(request, emit)
+        active = _Active(request=request, emit=emit)
         kwargs = request_kwargs(request)
         if compiled is not None:
             self.guides.start(request_id, compiled, request.end_id)
@@ -298,34 +286,26 @@ class PortableEngine(BlockingGenerate):
             return
         request = active.request
         reason = None
-        if output.timestamps:
-            active.token_times = (output.timestamps[0], output.timestamps[-1])
         log_probs = output.logprobs if request.log_probs >= 0 else None
-        for index in range(active.seen, len(output.generated_tokens)):
-            token = output.generated_tokens[index]
-            active.seen += 1
-            if token == request.end_id:
-                reason = FINISH_EOS
-                break
-            active.tokens.append(token)
-            if log_probs is not None:
-                if index >= len(log_probs):
-                    raise RuntimeError(f"token {index} came without its log probabilities")
-                active.log_probs.append(log_probs[index])
-            if any(ends_with(active.tokens, word) for word in request.stop_words):
-                reason = FINISH_STOP
+        times = output.timestamps
+        for index in range(active.taken, len(output.generated_tokens)):
+            if log_probs is not None and index >= len(log_probs):
+                raise RuntimeError(f"token {index} came without its log probabilities")
+            reason = active.take(
+                output.generated_tokens[index],
+                None if log_probs is None else log_probs[index],
+                times[index] if index < len(times) else None,
+            )
+            if reason == FINISH_STOP:
                 self._manager.cancel_request(request_id)
-                break
-            if len(active.tokens) >= request.max_new_tokens:
-                reason = FINISH_LENGTH
+            if reason is not None:
                 break
         if reason is None and output.is_finished():
             reason = FINISH_LENGTH
         if reason is not None:
             self._drop(request_id, active, reason)
-        elif request.streaming and len(active.tokens) > active.sent:
-            start, active.sent = active.sent, len(active.tokens)
-            active.emit(Emission(active.tokens[start:], log_probs=_log_probs(active, start)))
+        else:
+            active.emit_new()
 
     def _drop(self, request_id: str, active: _Active, reason: str, error: str | None = None) -> None:
         with self._lock:
@@ -375,36 +355,10 @@ def request_kwargs(request: GenerationRequest) -> dict:
     return kwargs
 
 
-def _log_probs(active: _Active, start: int) -> list[TokenLogProbs] | None:
-    return active.log_probs[start : len(active.tokens)] if active.request.log_probs >= 0 else None
-
-
 def _finish(active: _Active, reason: str, error: str | None = None) -> None:
     """The request's final emission, once."""
     with active.lock:
-        if not active.done:
-            active.done = True
-            _emit_final(active, reason, error)
-
-
-def _emit_final(active: _Active, reason: str, error: str | None) -> None:
-    start = active.sent if active.request.streaming else 0
-    active.sent = len(active.tokens)
-    ttft = tpot = None
-    if active.token_times is not None:
-        first, last = active.token_times
-        ttft = first - active.submitted
-        tpot = (last - first) / (active.seen - 1) if active.seen > 1 else None
-    active.emit(
-        Emission(
-            active.tokens[start:],
-            reason,
-            error,
-            log_probs=_log_probs(active, start),
-            time_to_first_token=ttft,
-            time_per_output_token=tpot,
-        )
-    )
+        active.finish(reason, error)
 
 
 def compile_config(model_config) -> CompileConfig:

@@ -17,12 +17,13 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, ends_with
+from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest
+from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.errors import InputError
 from tritonllm.options import option
-from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
 
 SYNTHETIC_CONFIG_FILE = "synthetic_engine.json"  # beside the engine model, where the portable one has engine.json
 # What the synthetic engine writes, cycled; each request starts at an offset chosen by its prompt. Mixed scripts so
@@ -53,15 +54,8 @@ class SyntheticConfig:
 
 
 @dataclass(eq=False)
-class _Sequence:
-    request: GenerationRequest
-    emit: Callable[[Emission], None]
+class _Sequence(Lifecycle):
     position: int  # where in the passage its next token is
-    tokens: list[int] = field(default_factory=list)
-    sent: int = 0  # tokens already emitted (streaming)
-    submitted: float = field(default_factory=time.perf_counter)
-    scheduled: float | None = None  # when it joined the batch
-    first_token: float | None = None
 
 
 def check_supported(request: GenerationRequest) -> None:
@@ -102,7 +96,7 @@ class SyntheticEngine(BlockingGenerate):
         request_id = f"s{next(self._ids)}"
         start = zlib.crc32(bytes(str(request.input_ids), "ascii")) % len(self.config.text_ids)
         with self._lock:
-            self._sequences[request_id] = _Sequence(request, emit, start)
+            self._sequences[request_id] = _Sequence(start, request=request, emit=emit)
             self._waiting.append(request_id)
         self._work.set()
         return request_id
@@ -111,7 +105,7 @@ class SyntheticEngine(BlockingGenerate):
         with self._lock:
             sequence = self._take(request_id)
             if sequence is not None:
-                self._finish(sequence, FINISH_CANCELLED)
+                sequence.finish(FINISH_CANCELLED)
 
     def running(self) -> int:
         return len(self._sequences)
@@ -128,7 +122,7 @@ class SyntheticEngine(BlockingGenerate):
         self._loop_thread.join(timeout=5)
         with self._lock:
             for request_id in list(self._sequences):
-                self._finish(self._take(request_id), FINISH_ERROR, "the engine is shutting down")
+                self._take(request_id).finish(FINISH_ERROR, "the engine is shutting down")
 
     # ------------------------------------------------------------------ the step loop
 
@@ -160,22 +154,11 @@ class SyntheticEngine(BlockingGenerate):
         if token == request.end_id and len(sequence.tokens) < request.penalties.min_tokens:
             token = text[sequence.position % len(text)]  # min_tokens: the text's next token instead
             sequence.position += 1
-        if sequence.first_token is None:
-            sequence.first_token = time.perf_counter()
-        reason = None
-        if token == request.end_id:
-            reason = FINISH_EOS
-        else:
-            sequence.tokens.append(token)
-            if any(ends_with(sequence.tokens, word) for word in request.stop_words):
-                reason = FINISH_STOP
-            elif len(sequence.tokens) >= request.max_new_tokens:
-                reason = FINISH_LENGTH
+        reason = sequence.take(token)
         if reason is not None:
-            self._finish(self._take(request_id), reason)
-        elif request.streaming:
-            sequence.sent = len(sequence.tokens)
-            sequence.emit(Emission([token]))
+            self._take(request_id).finish(reason)
+        else:
+            sequence.emit_new()
 
     def _take(self, request_id: str) -> _Sequence | None:
         """Removes a request from every queue; None when it already finished."""
@@ -183,14 +166,3 @@ class SyntheticEngine(BlockingGenerate):
         if sequence is not None and self._batch.pop(request_id, None) is None:
             self._waiting.remove(request_id)
         return sequence
-
-    @staticmethod
-    def _finish(sequence: _Sequence, reason: str, error: str | None = None) -> None:
-        start = sequence.sent if sequence.request.streaming else 0
-        ttft = tpot = None
-        if sequence.first_token is not None:
-            ttft = sequence.first_token - sequence.submitted
-            if len(sequence.tokens) > 1:
-                tpot = (time.perf_counter() - sequence.first_token) / (len(sequence.tokens) - 1)
-        scheduled = None if sequence.scheduled is None else sequence.scheduled - sequence.submitted
-        sequence.emit(Emission(sequence.tokens[start:], reason, error, None, ttft, tpot, scheduled))
