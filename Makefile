@@ -85,7 +85,7 @@ test: build
 		&& ln -s ../models $(BUILD_DIR)/decoupled/models; }
 	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR)/decoupled $(if $(MODEL),--model "$(MODEL)") \
 		$(TRTLLM_ARGS) $(BUILD_ARGS) --decoupled-mode
-	TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q
+	TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q --durations=15
 
 unit: build
 	TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q tests/unit

@@ -49,7 +49,7 @@ from tritonllm.errors import InputError
 from tritonllm.protocol import PERF_OUTPUTS, stop_request_tensors
 from tritonllm.text.detokenization import Detokenizer, finish_reason
 from tritonllm.text.stream import TextStream
-from tritonllm.text.tokenization import as_text, scalar
+from tritonllm.text.wire import as_text, scalar
 
 CANCEL_CHECK_SECONDS = 0.2
 

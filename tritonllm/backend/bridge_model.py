@@ -33,7 +33,7 @@ from tritonllm.backend.triton_glue import (
     to_tensors,
 )
 from tritonllm.errors import InputError
-from tritonllm.text.tokenization import scalar
+from tritonllm.text.wire import scalar
 
 # What NVIDIA's decoupled_mode false deployment cannot answer in one response, and how to get it here.
 DECOUPLED_ONLY = (

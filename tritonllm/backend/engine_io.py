@@ -29,7 +29,7 @@ from tritonllm.protocol import (
     PERF_OUTPUTS,
     TIMING_OUTPUTS,
 )
-from tritonllm.text.tokenization import Limits, check_sampling, parse_guide, parse_word_list, scalar
+from tritonllm.text.wire import Limits, check_sampling, parse_guide, parse_word_list, scalar
 
 
 def sampling_params(temperature, top_k, top_p, seed) -> SamplingParams:

@@ -53,7 +53,7 @@ from tritonllm.engine.api import (
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, InputError, ServerBusy
-from tritonllm.text.tokenization import Limits, scalar
+from tritonllm.text.wire import Limits, scalar
 
 CANCEL_CHECK_SECONDS = 0.2  # and the period of the load gauges
 # Guided requests are handed to the engine from these threads: compiling a new grammar takes up to seconds, and

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from tritonllm.backend.triton_glue import flag, model_config, parameters, run_batch
 from tritonllm.text.detokenization import Detokenizer, Postprocessor
-from tritonllm.text.tokenization import GUIDES_BY_ENGINE, Limits, Preprocessor
+from tritonllm.text.tokenization import GUIDES_BY_ENGINE, Preprocessor
 from tritonllm.text.tokenizer import load_tokenizer
+from tritonllm.text.wire import Limits
 
 
 def tokenizer(params: dict[str, str]):

@@ -16,7 +16,7 @@ import numpy as np
 
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
-from tritonllm.text.tokenization import as_text
+from tritonllm.text.wire import as_text
 
 REPLACEMENT = "\ufffd"
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

@@ -1,116 +1,34 @@
 """Text to the engine's inputs: prompt ids, lengths, end/pad ids and stop/bad word lists.
 
-Inputs and outputs use the names of NVIDIA's reference `preprocessing` model. Every limit is
-checked here, once, for both engine flavors, so a bad request fails fast with a message naming
-the input and its limit.
+Inputs and outputs use the names of NVIDIA's reference `preprocessing` model. The tensors are read and checked
+with wire.py's rules, the ones every entry point applies, so a bad request fails fast with a message naming the
+input and its limit.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from tritonllm.engine.grammar_check import check_guide
 from tritonllm.errors import InputError
-from tritonllm.protocol import GUIDE_TYPES, MAX_BIASED_TOKENS, MAX_WORD_BYTES, MAX_WORDS
+from tritonllm.protocol import MAX_BIASED_TOKENS, MAX_WORD_BYTES, MAX_WORDS
+from tritonllm.text.wire import (
+    Limits,
+    as_text,
+    check_beam_width,
+    check_sampling,
+    parse_guide,
+    scalar,
+    word_list,
+)
 
 MAX_BYTES_PER_TOKEN = 64  # no tokenizer we know packs more bytes into one token
 # Who checks a guide before generation (preprocessing's guided_decoding parameter; Preprocessor says what each is).
 GUIDES_BY_ENGINE, GUIDES_COMPILED, GUIDES_OFF = "engine", "compile", "off"
 GUIDE_MODES = (GUIDES_BY_ENGINE, GUIDES_COMPILED, GUIDES_OFF)
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_input_len: int  # prompt tokens
-    max_seq_len: int  # prompt + generated tokens
-    vocab_size: int
-
-
-def as_text(value: object, field: str) -> str:
-    """A BYTES tensor element as str; invalid UTF-8 is a client error."""
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InputError(field, f"is not valid UTF-8 (byte {exc.start})") from None
-    if isinstance(value, str):
-        return value
-    raise InputError(field, f"must be text, got {type(value).__name__}")
-
-
-def scalar(arrays: dict[str, np.ndarray], name: str, row: int):
-    """Element `row` of an optional per-row input, or None when the input is absent."""
-    array = arrays.get(name)
-    if array is None:
-        return None
-    flat = array.reshape(array.shape[0], -1) if array.ndim > 1 else array.reshape(-1, 1)
-    if flat.shape[1] != 1:
-        raise InputError(name, f"must hold one value per request, got shape {list(array.shape)}")
-    value = flat[row % flat.shape[0], 0]
-    return value.item() if isinstance(value, np.generic) else value  # BYTES elements are bytes already
-
-
-def check_sampling(temperature, top_k, top_p) -> None:
-    """Sampling inputs, whichever engine serves them."""
-    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
-        raise InputError("temperature", f"must be a finite number >= 0, got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise InputError("top_k", f"must be >= 0 (0 = no top-k), got {top_k}")
-    if top_p is not None and not (math.isfinite(top_p) and 0 <= top_p <= 1):
-        raise InputError("top_p", f"must be in [0, 1] (0 = unset), got {top_p}")
-
-
-def parse_guide(kind: object, guide: object) -> tuple[str, str] | None:
-    """(guide type, guide) of guided_decoding_guide_type / guided_decoding_guide, or None when not asked for.
-    Checked here for both engines: TensorRT-LLM's backend ignores an unknown type, or a guide without one."""
-    kind = None if kind is None else as_text(kind, "guided_decoding_guide_type")
-    text = "" if guide is None else as_text(guide, "guided_decoding_guide")
-    if kind is None:
-        if text:
-            raise InputError("guided_decoding_guide_type", "is required with guided_decoding_guide")
-        return None
-    if kind not in GUIDE_TYPES:
-        raise InputError("guided_decoding_guide_type", f"must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
-    if kind != "json" and not text:
-        raise InputError("guided_decoding_guide", f"is required with guided_decoding_guide_type {kind!r}")
-    return kind, text
-
-
-def check_beam_width(beam_width, max_beam_width: int) -> None:
-    if beam_width is not None and not 1 <= beam_width <= max_beam_width:
-        raise InputError(
-            "beam_width", f"must be between 1 and {max_beam_width} (the engine's max_beam_width), got {beam_width}"
-        )
-
-
-def word_list(sequences: Sequence[Sequence[int]]) -> np.ndarray:
-    """TensorRT-LLM's [2, L] word-list format: flattened ids, then cumulative end offsets padded with -1."""
-    flat = [t for seq in sequences for t in seq]
-    offsets = np.cumsum([len(seq) for seq in sequences], dtype=np.int64).tolist()
-    width = max(len(flat), len(offsets), 1)
-    out = np.zeros((2, width), dtype=np.int32)
-    out[1, :] = -1
-    out[0, : len(flat)] = flat
-    out[1, : len(offsets)] = offsets
-    return out
-
-
-def parse_word_list(array: np.ndarray | None) -> tuple[tuple[int, ...], ...]:
-    """Inverse of `word_list` for one request ([2, L] or [1, 2, L])."""
-    if array is None or array.size == 0:
-        return ()
-    array = array.reshape(2, -1)
-    flat, offsets = array[0].tolist(), [o for o in array[1].tolist() if o >= 0]
-    words, start = [], 0
-    for end in offsets:
-        if end > start:
-            words.append(tuple(flat[start:end]))
-        start = end
-    return tuple(words)
 
 
 class Preprocessor:

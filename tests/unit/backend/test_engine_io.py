@@ -7,7 +7,7 @@ from tritonllm.backend.engine_io import pack_outputs, sampling_params
 from tritonllm.backend.engine_io import parse_requests as parse_indexed
 from tritonllm.errors import InputError
 from tritonllm.protocol import MAX_WORD_SEQUENCES
-from tritonllm.text.tokenization import Limits, word_list
+from tritonllm.text.wire import Limits, word_list
 
 LIMITS = Limits(max_input_len=8, max_seq_len=16, vocab_size=100)
 

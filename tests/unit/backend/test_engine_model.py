@@ -28,7 +28,7 @@ from tritonllm.protocol import (
     KV_CACHE_OUTPUTS,
     PERF_OUTPUTS,
 )
-from tritonllm.text.tokenization import Limits
+from tritonllm.text.wire import Limits
 
 
 class FakeEngine:

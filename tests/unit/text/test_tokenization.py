@@ -5,14 +5,8 @@ import pytest
 
 from tritonllm.errors import InputError
 from tritonllm.protocol import MAX_WORDS
-from tritonllm.text.tokenization import (
-    GUIDES_COMPILED,
-    GUIDES_OFF,
-    Limits,
-    Preprocessor,
-    parse_word_list,
-    word_list,
-)
+from tritonllm.text.tokenization import GUIDES_COMPILED, GUIDES_OFF, Preprocessor
+from tritonllm.text.wire import Limits, parse_word_list, word_list
 
 LIMITS = Limits(max_input_len=64, max_seq_len=96, vocab_size=49152)
 
