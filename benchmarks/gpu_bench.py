@@ -650,7 +650,7 @@ def main() -> int:
     for n, build_args in enumerate(json.loads(args.build_variants)):
         key = "served " + " ".join(build_args) if build_args else "served"
         try:
-            report[key] = serve(args, model_dir, seq_len, texts, build_args, args.work / f"build{n}")
+            report[key] = serve_and_measure(args, model_dir, seq_len, texts, build_args, args.work / f"build{n}")
         except Exception as exc:  # a server that does not start must not cost the other variants
             report[key] = f"failed: {exc!r}"[-600:]
         print(json.dumps(report), flush=True)
@@ -664,7 +664,9 @@ def split_environment(build_args: list[str]) -> tuple[dict[str, str], list[str]]
     return dict(a.split("=", 1) for a in settings), [a for a in build_args if a not in settings]
 
 
-def serve(args, model_dir: Path, seq_len: int, texts: list[str], build_args: list[str], build: Path) -> dict:
+def serve_and_measure(
+    args, model_dir: Path, seq_len: int, texts: list[str], build_args: list[str], build: Path
+) -> dict:
     """Build a repository with `build_args`, start tritonserver on it and measure; a stalled step is reported."""
     from tritonllm.launch.tritonserver import TritonServer
     from tritonllm.repository.builder import main as build_main

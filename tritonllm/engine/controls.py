@@ -178,7 +178,7 @@ class EmbeddingBias(ArgumentGroup):
         return self.active and ("bias", self.slots.key())
 
 
-class Penalties(ArgumentGroup):
+class PenaltyGroup(ArgumentGroup):
     """Repetition (transformers' RepetitionPenaltyLogitsProcessor over the prompt and the generated tokens),
     presence and frequency (logit -= presence * [count > 0] + frequency * count over the generated tokens, and with
     count_prompt the prompt's: tritonllm.engine.api.Penalties) penalties. Rows: slot, whether the input token is a

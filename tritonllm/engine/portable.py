@@ -32,7 +32,7 @@ from tritonllm.engine.api import (
     check_request,
 )
 from tritonllm.engine.checks import check_batching, check_controls
-from tritonllm.engine.controls import EmbeddingBias, LogProbs, Penalties, RequestSlots, attach_log_probs
+from tritonllm.engine.controls import EmbeddingBias, LogProbs, PenaltyGroup, RequestSlots, attach_log_probs
 from tritonllm.engine.cpu_threads import on_fresh_thread, start_yielding
 from tritonllm.engine.guided import GuidedDecoding, Guides
 from tritonllm.engine.lifecycle import Lifecycle
@@ -131,7 +131,7 @@ class PortableEngine(BlockingGenerate):
         self._guided = GuidedDecoding(self.guides, config.max_batch_size, device)
         processors = request_processors(
             MAX_WORD_SEQUENCES,
-            before_bans=[self._log_probs, EmbeddingBias(self._slots), Penalties(self._slots)],
+            before_bans=[self._log_probs, EmbeddingBias(self._slots), PenaltyGroup(self._slots)],
             before_sampling=[self._guided],
         )
         self._manager.logit_processor = processors

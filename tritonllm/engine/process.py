@@ -198,7 +198,7 @@ class EngineProcess(BlockingGenerate):
 # ---------------------------------------------------------------------- the child
 
 
-def serve(conn: Connection, make_engine: Callable[[EngineConfig], BlockingGenerate] | None = None) -> int:
+def serve_child(conn: Connection, make_engine: Callable[[EngineConfig], BlockingGenerate] | None = None) -> int:
     """Runs the engine the first message configures (PortableEngine unless `make_engine` says otherwise), until the
     connection ends or asks it to stop."""
     if make_engine is None:
@@ -317,7 +317,7 @@ def _send_emissions(conn: Connection, outgoing: queue.SimpleQueue, engine) -> No
 
 if __name__ == "__main__":
     connection = Connection(int(sys.argv[1]))
-    code = serve(connection)
+    code = serve_child(connection)
     connection.close()
     sys.stdout.flush()
     os._exit(code)  # the engine's threads are stopped or daemons: do not wait on torch's own at exit

@@ -185,7 +185,7 @@ def response(result, index: int, block_tokens: int = 1) -> Generation:
     finish_reason) also says why it ended, how many tokens went in and out, and how many of the prompt's
     came from the prefix cache (reused KV cache blocks of `block_tokens`). Shapes are read
     defensively: only the element counts are relied on."""
-    generation = Generation(index, scalar(result, "text_output", b"").decode())
+    generation = Generation(index, output_scalar(result, "text_output", b"").decode())
     ids = result.as_numpy("output_ids")
     if ids is not None:
         generation.tokens = ids.reshape(-1).tolist()
@@ -196,17 +196,17 @@ def response(result, index: int, block_tokens: int = 1) -> Generation:
         if top is not None and top_ids is not None and count and top.size:
             top, top_ids = top.reshape(count, -1).tolist(), top_ids.reshape(count, -1).tolist()
             generation.top = [list(zip(ids_, lps, strict=True)) for ids_, lps in zip(top_ids, top, strict=True)]
-    reason = scalar(result, "finish_reason")
+    reason = output_scalar(result, "finish_reason")
     if reason is not None:
         generation.finish_reason = FINISH_REASONS.get(reason.decode(), "stop")
-        generation.prompt_tokens = int(scalar(result, "num_input_tokens", 0))
-        generation.completion_tokens = int(scalar(result, "num_output_tokens", 0))
-        reused = int(scalar(result, "kv_cache_reused_blocks", 0)) * block_tokens
+        generation.prompt_tokens = int(output_scalar(result, "num_input_tokens", 0))
+        generation.completion_tokens = int(output_scalar(result, "num_output_tokens", 0))
+        reused = int(output_scalar(result, "kv_cache_reused_blocks", 0)) * block_tokens
         generation.cached_tokens = min(reused, generation.prompt_tokens)
     return generation
 
 
-def scalar(result, name: str, default=None):
+def output_scalar(result, name: str, default=None):
     value = result.as_numpy(name)
     return value.reshape(-1)[0] if value is not None and value.size else default
 

@@ -14,7 +14,7 @@ import pytest
 
 from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, Guide, SamplingParams
 from tritonllm.engine.portable import PortableEngine
-from tritonllm.engine.process import ADMITTED, EngineProcess, EngineProcessError, serve
+from tritonllm.engine.process import ADMITTED, EngineProcess, EngineProcessError, serve_child
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, MAX_WORD_SEQUENCES
 
@@ -170,7 +170,7 @@ class CompilingEngine:
 def test_a_compiling_guide_holds_up_neither_emissions_nor_other_requests():
     parent, child_end = Pipe()
     engine = CompilingEngine()
-    served = threading.Thread(target=serve, args=(child_end, lambda _: engine), daemon=True)
+    served = threading.Thread(target=serve_child, args=(child_end, lambda _: engine), daemon=True)
     served.start()
     parent.send(("config", None))
     assert parent.poll(10) and parent.recv()[0] == "ready"
