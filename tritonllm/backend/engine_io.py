@@ -10,7 +10,6 @@ nothing, as in TensorRT-LLM with one beam.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -19,17 +18,17 @@ from typing import NamedTuple
 import numpy as np
 
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams, TokenLogProbs
+from tritonllm.engine.checks import check_controls, check_penalties, check_sampling
 from tritonllm.errors import InputError
 from tritonllm.protocol import (
     DEFAULT_MIN_TOKENS,
     KV_CACHE_OUTPUTS,
     MAX_RETURN_SEQUENCES,
-    MAX_TOP_LOG_PROBS,
     MAX_WORD_SEQUENCES,
     PERF_OUTPUTS,
     TIMING_OUTPUTS,
 )
-from tritonllm.text.wire import Limits, check_sampling, parse_guide, parse_word_list, scalar
+from tritonllm.text.wire import Limits, parse_guide, parse_word_list, scalar
 
 
 def sampling_params(temperature, top_k, top_p, seed) -> SamplingParams:
@@ -116,6 +115,7 @@ def parse_requests(arrays: dict[str, np.ndarray], limits: Limits) -> list[Indexe
             log_probs=log_probs_wanted(arrays, row),
             guide=guide(arrays, row),
         )
+        check_controls(request, limits.vocab_size)
         for index in range(return_sequences(arrays, row)):
             seed = (request.sampling.seed + index) % 2**64
             sampling = dataclasses.replace(request.sampling, seed=seed) if request.sampling.sample else request.sampling
@@ -140,26 +140,25 @@ def penalties(arrays: dict[str, np.ndarray], row: int) -> Penalties:
     beam_width = scalar(arrays, "beam_width", row)
     if beam_width is not None and beam_width != 1:
         raise InputError("beam_width", f"the portable engine generates one beam: it must be 1, got {beam_width}")
-    repetition = scalar(arrays, "repetition_penalty", row)
-    if repetition is not None and not (math.isfinite(repetition) and repetition > 0):
-        raise InputError("repetition_penalty", f"must be a finite number > 0 (1 = none), got {repetition}")
-    values = {"repetition": 1.0 if repetition is None else float(repetition)}
-    for name, key in (("presence_penalty", "presence"), ("frequency_penalty", "frequency")):
-        value = scalar(arrays, name, row)
-        if value is not None and not math.isfinite(value):
-            raise InputError(name, f"must be a finite number (0 = none), got {value}")
-        values[key] = 0.0 if value is None else float(value)
+    repetition, presence, frequency, min_tokens = (
+        scalar(arrays, name, row)
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")
+    )
     tensorrt_llm_rule = not scalar(arrays, "openai_penalties", row)
-    if tensorrt_llm_rule:
-        temperature = scalar(arrays, "temperature", row)  # checked with the sampling parameters
-        scale = 1.0 if temperature is None else float(temperature)
-        values["presence"], values["frequency"] = scale * values["presence"], scale * values["frequency"]
-    min_tokens = scalar(arrays, "min_tokens", row)
-    if min_tokens is not None and min_tokens < 0:
-        raise InputError("min_tokens", f"must be >= 0, got {min_tokens}")
-    # TensorRT-LLM's default minimum length is 1: the end id is never the first token unless min_tokens says 0.
-    min_tokens = DEFAULT_MIN_TOKENS if min_tokens is None else int(min_tokens)
-    return Penalties(**values, min_tokens=min_tokens, count_prompt=tensorrt_llm_rule)
+    given = Penalties(
+        repetition=1.0 if repetition is None else float(repetition),
+        presence=0.0 if presence is None else float(presence),
+        frequency=0.0 if frequency is None else float(frequency),
+        # TensorRT-LLM's default minimum length is 1: the end id is never the first token unless min_tokens says 0.
+        min_tokens=DEFAULT_MIN_TOKENS if min_tokens is None else int(min_tokens),
+        count_prompt=tensorrt_llm_rule,
+    )
+    check_penalties(given)  # as the client sent them, before the scaling below
+    if not tensorrt_llm_rule:
+        return given
+    temperature = scalar(arrays, "temperature", row)  # checked with the sampling parameters
+    scale = 1.0 if temperature is None else float(temperature)
+    return dataclasses.replace(given, presence=scale * given.presence, frequency=scale * given.frequency)
 
 
 def _embedding_bias(arrays: dict[str, np.ndarray], row: int, limits: Limits) -> tuple[tuple[int, float], ...]:
@@ -173,8 +172,6 @@ def _embedding_bias(arrays: dict[str, np.ndarray], row: int, limits: Limits) -> 
         raise InputError(
             "embedding_bias", f"must hold {limits.vocab_size} values (the vocabulary), got {bias.shape[0]}"
         )
-    if np.isnan(bias).any() or np.isposinf(bias).any():
-        raise InputError("embedding_bias", "must hold finite numbers or -inf (a ban)")
     tokens = np.flatnonzero(bias)
     return tuple(zip(tokens.tolist(), bias[tokens].tolist(), strict=True))
 
@@ -182,8 +179,8 @@ def _embedding_bias(arrays: dict[str, np.ndarray], row: int, limits: Limits) -> 
 def log_probs_wanted(arrays: dict[str, np.ndarray], row: int) -> int:
     """-1: none; 0: the chosen tokens'; k: also the k most likely (num_top_log_probs, which implies them)."""
     top = scalar(arrays, "num_top_log_probs", row)
-    if top is not None and not 0 <= top <= MAX_TOP_LOG_PROBS:
-        raise InputError("num_top_log_probs", f"must be between 0 and {MAX_TOP_LOG_PROBS}, got {top}")
+    if top is not None and top < 0:  # -1 is the engine's "none", not a client's value
+        raise InputError("num_top_log_probs", f"must be >= 0, got {top}")
     if top:
         return int(top)
     return 0 if scalar(arrays, "return_log_probs", row) else -1

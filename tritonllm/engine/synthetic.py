@@ -19,7 +19,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest
+from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, check_request
+from tritonllm.engine.checks import check_controls
 from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.errors import InputError
 from tritonllm.options import option
@@ -92,6 +93,8 @@ class SyntheticEngine(BlockingGenerate):
         self._loop_thread.start()
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        check_request(request)
+        check_controls(request)
         check_supported(request)
         request_id = f"s{next(self._ids)}"
         start = zlib.crc32(bytes(str(request.input_ids), "ascii")) % len(self.config.text_ids)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tritonllm.engine.checks import check_sampling
 from tritonllm.engine.grammar_check import check_guide
 from tritonllm.errors import InputError
 from tritonllm.protocol import MAX_BIASED_TOKENS, MAX_WORD_BYTES, MAX_WORDS
@@ -19,7 +20,6 @@ from tritonllm.text.wire import (
     Limits,
     as_text,
     check_beam_width,
-    check_sampling,
     parse_guide,
     scalar,
     word_list,

@@ -7,14 +7,13 @@ them: each is written once, here, and its error names the input the client sent.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from tritonllm.engine.checks import check_guide_fields
 from tritonllm.errors import InputError
-from tritonllm.protocol import GUIDE_TYPES
 
 
 @dataclass(frozen=True)
@@ -48,30 +47,12 @@ def scalar(arrays: dict[str, np.ndarray], name: str, row: int):
     return value.item() if isinstance(value, np.generic) else value  # BYTES elements are bytes already
 
 
-def check_sampling(temperature, top_k, top_p) -> None:
-    """Sampling inputs, whichever engine serves them."""
-    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
-        raise InputError("temperature", f"must be a finite number >= 0, got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise InputError("top_k", f"must be >= 0 (0 = no top-k), got {top_k}")
-    if top_p is not None and not (math.isfinite(top_p) and 0 <= top_p <= 1):
-        raise InputError("top_p", f"must be in [0, 1] (0 = unset), got {top_p}")
-
-
 def parse_guide(kind: object, guide: object) -> tuple[str, str] | None:
-    """(guide type, guide) of guided_decoding_guide_type / guided_decoding_guide, or None when not asked for.
-    Checked here for both engines: TensorRT-LLM's backend ignores an unknown type, or a guide without one."""
+    """(guide type, guide) of guided_decoding_guide_type / guided_decoding_guide, or None when not asked for."""
     kind = None if kind is None else as_text(kind, "guided_decoding_guide_type")
     text = "" if guide is None else as_text(guide, "guided_decoding_guide")
-    if kind is None:
-        if text:
-            raise InputError("guided_decoding_guide_type", "is required with guided_decoding_guide")
-        return None
-    if kind not in GUIDE_TYPES:
-        raise InputError("guided_decoding_guide_type", f"must be one of {', '.join(GUIDE_TYPES)}, got {kind!r}")
-    if kind != "json" and not text:
-        raise InputError("guided_decoding_guide", f"is required with guided_decoding_guide_type {kind!r}")
-    return kind, text
+    check_guide_fields(kind, text)
+    return None if kind is None else (kind, text)
 
 
 def check_beam_width(beam_width, max_beam_width: int) -> None:

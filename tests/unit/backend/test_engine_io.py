@@ -190,6 +190,12 @@ def test_parse_neutral_controls_by_default():
         ({"embedding_bias": np.zeros((1, 99), np.float32)}, "embedding_bias"),
         ({"embedding_bias": np.full((1, 100), np.nan, np.float32)}, "embedding_bias"),
         ({"num_top_log_probs": np.array([21], np.int32)}, "num_top_log_probs"),
+        ({"num_top_log_probs": np.array([-1], np.int32)}, "num_top_log_probs"),
+        (
+            {"presence_penalty": np.array([np.inf], np.float32), "temperature": np.array([0.0], np.float32)},
+            "presence_penalty",
+        ),
+        ({"embedding_bias": np.full((1, 100), np.inf, np.float32)}, "embedding_bias"),
         ({"guided_decoding_guide_type": np.array([[b"xml"]], dtype=object)}, "guided_decoding_guide_type"),
         ({"guided_decoding_guide_type": np.array([[b"regex"]], dtype=object)}, "guided_decoding_guide"),
         ({"guided_decoding_guide": np.array([[b"{}"]], dtype=object)}, "guided_decoding_guide_type"),
@@ -199,6 +205,7 @@ def test_parse_control_errors_name_the_input(extra, field):
     with pytest.raises(InputError) as err:
         parse_requests(arrays([1, 2], **extra), LIMITS)
     assert err.value.field == field
+    assert "nan" not in str(err.value) or "nan" in str(extra), "checked as sent, before any scaling"
 
 
 def test_pack_outputs_with_log_probs():

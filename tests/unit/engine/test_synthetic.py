@@ -88,6 +88,10 @@ def test_requests_beyond_the_batch_wait_and_cancel_frees_a_place(engine):
         ({"log_probs": 0}, "return_log_probs"),
         ({"guide": Guide("json")}, "guided_decoding_guide"),
         ({"bad_words": ((3,),)}, "bad_words_list"),
+        # the rules every engine applies, before its own refusals
+        ({"penalties": Penalties(min_tokens=-1)}, "min_tokens"),
+        ({"log_probs": 21}, "num_top_log_probs"),
+        ({"guide": Guide("xml")}, "guided_decoding_guide_type"),
     ],
 )
 def test_what_it_cannot_honour_is_refused_by_name(engine, request_options, field):
