@@ -125,27 +125,40 @@ def engine_process_build(tmp_path_factory, manifest):
     return build
 
 
-def test_the_engine_in_its_own_process_answers_as_in_the_model_process(tmp_path, engine_process_build, server):
-    serve = Serve(tmp_path, "--watchdog-seconds", "0", repository=engine_process_build / "model_repository")
-    try:
-        prompt = "What is the capital of France?"
-        assert serve.engine_child_pid()
-        # Only the engine's process loads torch; the stub parses requests and sends responses.
-        assert "libtorch" not in Path(f"/proc/{serve.engine_stub_pid()}/maps").read_text()
-        assert "libtorch" in Path(f"/proc/{serve.engine_child_pid()}/maps").read_text()
-        assert generate(prompt, 16, url=serve.url) == generate(prompt, 16, url=server.http_url)
-        streamed = "".join(c.text for c in stream(prompt, 16, url=f"127.0.0.1:{serve.grpc}"))
-        assert streamed == generate(prompt, 16, url=server.http_url)
-    finally:
-        serve.stop()
+@pytest.fixture(scope="module")
+def engine_process_serve(tmp_path_factory, engine_process_build):
+    """`make serve` on that build, started once (a start loads torch and the model): the test that kills its engine
+    runs last."""
+    serve = Serve(
+        tmp_path_factory.mktemp("engine-process-serve"),
+        "--watchdog-seconds",
+        "1",
+        repository=engine_process_build / "model_repository",
+    )
+    yield serve
+    serve.stop()
+
+
+def test_the_engine_in_its_own_process_answers_as_in_the_model_process(engine_process_serve, server):
+    serve = engine_process_serve
+    prompt = "What is the capital of France?"
+    assert serve.engine_child_pid()
+    # Only the engine's process loads torch; the stub parses requests and sends responses.
+    assert "libtorch" not in Path(f"/proc/{serve.engine_stub_pid()}/maps").read_text()
+    assert "libtorch" in Path(f"/proc/{serve.engine_child_pid()}/maps").read_text()
+    assert generate(prompt, 16, url=serve.url) == generate(prompt, 16, url=server.http_url)
+    streamed = "".join(c.text for c in stream(prompt, 16, url=f"127.0.0.1:{serve.grpc}"))
+    assert streamed == generate(prompt, 16, url=server.http_url)
 
 
 @pytest.mark.parametrize("engine_process", [False, True], ids=["engine-in-the-stub", "engine-process"])
 def test_killed_engine_fails_in_flight_requests_and_serving_comes_back(tmp_path, engine_process, request):
     """Killing the engine model's process, or with --engine-process the engine's own (the stub then lives on and
     the health probe finds its generation loop stopped)."""
-    build = request.getfixturevalue("engine_process_build") if engine_process else BUILD
-    serve = Serve(tmp_path, "--watchdog-seconds", "1", repository=build / "model_repository")
+    if engine_process:
+        serve = request.getfixturevalue("engine_process_serve")
+    else:
+        serve = Serve(tmp_path, "--watchdog-seconds", "1", repository=BUILD / "model_repository")
     try:
         answer = generate("What is the capital of France?", 12, url=serve.url)
         thread, result = in_background(generate, "Tell me a very long story.", 400, url=serve.url, timeout=300)
