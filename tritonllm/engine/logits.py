@@ -67,7 +67,10 @@ def sample(
 
 
 # Most likely tokens a single row's draw sorts first (draw_one): their top-k costs a small part of sorting 49,152.
+# When a nucleus reaches past them (a broad distribution: a raw prompt, a high temperature), a wider prefix is tried
+# before the whole row is sorted.
 CANDIDATES = 256
+WIDER_CANDIDATES = 2048
 
 
 def draw_one(scores: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int) -> int:
@@ -75,38 +78,48 @@ def draw_one(scores: torch.Tensor, temperature: float, top_k: int, top_p: float,
     vocabulary when it can: that sort is most of a draw (~9 ms a row on one core for 49,152 logits).
 
     The same operations run on the CANDIDATES (or top_k) most likely tokens, widened to every token tied with the
-    last one, so
-    that their stable order is the full sort's prefix. The prefix decides the draw when every kept token is in it
-    (top_k within it, or a nucleus that the prefix's mass already reaches), or, with the whole distribution kept
-    (top_k 0, top_p 1), when the draw falls in the prefix's mass; otherwise `sample` sorts the whole row. The
-    probabilities are normalised over the whole row either way, so a draw can differ from `sample`'s only where
-    float rounding moves a boundary (tests/unit/engine/test_sampling.py compares them)."""
+    last one, so that their stable order is the full sort's prefix. The prefix decides the draw when every kept
+    token is in it (top_k within it, or a nucleus that the prefix's mass already reaches), or, with the whole
+    distribution kept (top_k 0, top_p 1), when the draw falls in the prefix's mass; otherwise, for a nucleus,
+    WIDER_CANDIDATES are tried the same way, then `sample` sorts the whole row. The probabilities are normalised
+    over the whole row either way, so a draw can differ from `sample`'s only where float rounding moves a boundary
+    (tests/unit/engine/test_sampling.py compares them)."""
     temperature = max(temperature, MIN_TEMPERATURE)
     scaled = scores / temperature
     vocab = scaled.numel()
     limit = top_k if 0 < top_k < vocab else vocab
-    size = max(CANDIDATES, limit) if limit < vocab else CANDIDATES  # a top_k beyond CANDIDATES: its k tokens
-    if size < vocab:
+    # A nucleus cut (top_p < 1) is decided in a prefix exactly as `sample` decides it. The whole distribution's
+    # draw is not widened: `sample` scales its target by the whole row's summed probability, and the wider prefix's
+    # many small steps let that rounding pick another token (1 draw in 120 in the test's broad rows).
+    sizes = (
+        (max(CANDIDATES, limit),) if limit < vocab else (CANDIDATES, WIDER_CANDIDATES) if top_p < 1 else (CANDIDATES,)
+    )
+    total = None  # the whole row's log normaliser, computed once when a prefix needs it
+    for size in sizes:
+        if size >= vocab:
+            break
         edge = scaled.topk(size).values[-1]
         candidates = (scaled >= edge).nonzero().squeeze(1)  # in index order, as a stable sort breaks ties
         values, order = scaled[candidates].sort(descending=True, stable=True)
         count = values.numel()
-        if count < vocab:
-            keep = torch.arange(count) < limit
-            if limit <= count:  # every kept token is in the prefix
-                probs = values.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-            else:
-                probs = (values - scaled.logsumexp(dim=-1)).exp()
-            cdf = probs.cumsum(dim=-1)
-            u = float(uniform(torch.tensor([seed]), torch.zeros(1, 1, dtype=torch.long)))
-            if limit <= count or float(cdf[-1]) >= top_p:  # no token beyond the prefix is kept
-                keep &= (cdf - probs) < top_p
-                keep[0] = True
-                kept = int(keep.sum())
-                index = min(int((cdf < u * cdf[kept - 1]).sum()), kept - 1)
-                return int(candidates[order[index]])
-            if limit == vocab and top_p >= 1.0 and u < float(cdf[-1]):  # the whole distribution, drawn in the prefix
-                return int(candidates[order[int((cdf < u).sum())]])
+        if count >= vocab:
+            break
+        keep = torch.arange(count) < limit
+        if limit <= count:  # every kept token is in the prefix
+            probs = values.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+        else:
+            total = scaled.logsumexp(dim=-1) if total is None else total
+            probs = (values - total).exp()
+        cdf = probs.cumsum(dim=-1)
+        u = float(uniform(torch.tensor([seed]), torch.zeros(1, 1, dtype=torch.long)))
+        if limit <= count or float(cdf[-1]) >= top_p:  # no token beyond the prefix is kept
+            keep &= (cdf - probs) < top_p
+            keep[0] = True
+            kept = int(keep.sum())
+            index = min(int((cdf < u * cdf[kept - 1]).sum()), kept - 1)
+            return int(candidates[order[index]])
+        if limit == vocab and top_p >= 1.0 and u < float(cdf[-1]):  # the whole distribution, drawn in the prefix
+            return int(candidates[order[int((cdf < u).sum())]])
     row = (torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([seed]))
     return int(sample(scores.unsqueeze(0), *row).argmax(dim=-1))
 

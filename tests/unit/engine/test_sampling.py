@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 
-from tritonllm.engine.logits import CANDIDATES, GREEDY, ban, draw_one, sample, step_seed, uniform
+from tritonllm.engine.logits import CANDIDATES, GREEDY, WIDER_CANDIDATES, ban, draw_one, sample, step_seed, uniform
 from tritonllm.engine.sampling import (
     ArgumentGroups,
     BadWords,
@@ -266,3 +266,22 @@ def test_both_buffer_sets_of_asynchronous_batching_are_keyed():
     assert all(isinstance(pair.device_io.graphs, ProcessorKeyedGraphs) for pair in pairs)
     with pytest.raises(RuntimeError, match="no CUDA graph store"):
         key_graphs_by_processors(SimpleNamespace(), request_processors(max_words=2))
+
+
+@pytest.mark.parametrize(("temperature", "top_p", "scale"), [(1.0, 0.95, 3.5), (0.7, 0.9, 2.6), (1.5, 0.8, 4.0)])
+def test_a_nucleus_past_the_first_prefix_is_drawn_from_the_wider_one_as_sample_draws(temperature, top_p, scale):
+    """A broad row, as a raw prompt gives: the first CANDIDATES hold less than top_p of its mass and the wider
+    prefix more, so draw_one decides there, and still picks what `sample` picks."""
+    generator = torch.Generator().manual_seed(5)
+    scores = torch.randn(20_000, generator=generator) * scale
+    mass = (scores / temperature).softmax(-1).sort(descending=True).values.cumsum(-1)
+    assert mass[CANDIDATES - 1] < top_p and mass[WIDER_CANDIDATES - 1] >= min(top_p, 0.97)
+    seeds = [step_seed(seed, 11) for seed in range(120)]
+    expected = sample(
+        scores.repeat(len(seeds), 1),
+        torch.full((len(seeds),), temperature),
+        torch.zeros(len(seeds), dtype=torch.long),
+        torch.full((len(seeds),), top_p),
+        torch.tensor(seeds),
+    ).argmax(-1)
+    assert [draw_one(scores, temperature, 0, top_p, seed) for seed in seeds] == expected.tolist()
