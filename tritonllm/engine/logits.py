@@ -94,7 +94,7 @@ def draw_one(scores: torch.Tensor, temperature: float, top_k: int, top_p: float,
     sizes = (
         (max(CANDIDATES, limit),) if limit < vocab else (CANDIDATES, WIDER_CANDIDATES) if top_p < 1 else (CANDIDATES,)
     )
-    total = None  # the whole row's log normaliser, computed once when a prefix needs it
+    total = u = None  # the whole row's log normaliser and the draw's uniform: computed once, when a prefix needs them
     for size in sizes:
         if size >= vocab:
             break
@@ -111,7 +111,7 @@ def draw_one(scores: torch.Tensor, temperature: float, top_k: int, top_p: float,
             total = scaled.logsumexp(dim=-1) if total is None else total
             probs = (values - total).exp()
         cdf = probs.cumsum(dim=-1)
-        u = float(uniform(torch.tensor([seed]), torch.zeros(1, 1, dtype=torch.long)))
+        u = float(uniform(torch.tensor([seed]), torch.zeros(1, 1, dtype=torch.long))) if u is None else u
         if limit <= count or float(cdf[-1]) >= top_p:  # no token beyond the prefix is kept
             keep &= (cdf - probs) < top_p
             keep[0] = True
