@@ -370,7 +370,8 @@ async def _texts(running: Running, openai, args, prompts: list[str]) -> list[str
 def measure(running: Running, contender: Contender, args, prompts: list[str], round_: int) -> list[Row]:
     rows = []
     for entry, (method, openai) in running.entries.items():
-        asyncio.run(_level(running, method, openai, args, prompts, 2, 2, "greedy"))  # warm-up: one-time costs
+        for load in args.loads:  # warm-up: each load's one-time costs (a first sampled request's, say)
+            asyncio.run(_level(running, method, openai, args, prompts, 2, 2, load))
         for load, concurrency in itertools.product(args.loads, (1, args.concurrency)):
             requests = max(8, concurrency * args.rounds_per_level)
             records = asyncio.run(_level(running, method, openai, args, prompts, concurrency, requests, load))

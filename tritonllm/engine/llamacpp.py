@@ -119,6 +119,16 @@ def greedy_token(scores: np.ndarray, best: int, request: GenerationRequest, gene
     return int(scores.argmax())
 
 
+def _load_controls() -> None:
+    """Import the controls' path and run one seeded draw, which pays torch's first-call costs too."""
+    import torch
+
+    import tritonllm.engine.row_controls  # noqa: F401
+    from tritonllm.engine.logits import draw_one
+
+    draw_one(torch.zeros(8), 0.7, 0, 0.95, 0)
+
+
 class LlamaCppEngine(BlockingGenerate):
     """One model, one llama.cpp context, one thread that steps every request in flight."""
 
@@ -179,6 +189,10 @@ class LlamaCppEngine(BlockingGenerate):
         self._loop_thread = threading.Thread(target=self._loop, name="llamacpp-engine", daemon=True)
         # The step thread and llama.cpp's CPU threads, which it starts, yield the cores to the stream's other steps.
         start_yielding(self._loop_thread.start, config.cpu_niceness)
+        # The controls' path loads torch (~3 s, ~300 MiB): loaded now, beside the first requests, not by the first
+        # request with a control, whose submit would hold up every request behind it on Triton's execute thread.
+        self.controls_loaded = threading.Thread(target=_load_controls, name="llamacpp-controls", daemon=True)
+        self.controls_loaded.start()
 
     # ------------------------------------------------------------------ requests
 
@@ -212,7 +226,7 @@ class LlamaCppEngine(BlockingGenerate):
             return None
         if not dataclasses.replace(request, embedding_bias=()).uses_controls:
             return _GreedyBias(request, self.vocab_size)
-        from tritonllm.engine.row_controls import RowControls  # torch: loaded at the first request with a control
+        from tritonllm.engine.row_controls import RowControls  # torch: loading since the start (_load_controls)
 
         follower = None
         if request.guide is not None:

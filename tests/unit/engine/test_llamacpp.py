@@ -1,6 +1,8 @@
 """The llama.cpp engine against llama.cpp itself and against transformers, and its admission to a full cache."""
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -267,3 +269,24 @@ def test_a_submit_after_the_engine_failed_is_refused_not_lost(manifest):
             eng.submit(GenerationRequest([1, 2, 3], 2), lambda e: None)
     finally:
         eng.shutdown()
+
+
+def test_the_controls_path_loads_with_the_engine_not_with_the_first_request_that_needs_it(manifest):
+    """Loading torch for the controls took ~3 s inside the first sampled request's submit, on Triton's execute thread,
+    holding up every request behind it. A fresh interpreter: this one has torch already."""
+    gguf = str(retype_gguf(default_model_file(), "float32", BUILD / "models"))
+    script = f"""
+import sys
+from tritonllm.engine.api import LLAMACPP, EngineConfig
+from tritonllm.engine.llamacpp import LlamaCppEngine
+assert "torch" not in sys.modules, "the engine's module itself loads torch"
+config = EngineConfig({manifest["model_dir"]!r}, impl=LLAMACPP, gguf_file={gguf!r}, max_batch_size=2,
+                      max_seq_len=256, kv_cache_tokens=512).resolve()
+engine = LlamaCppEngine(config)
+engine.controls_loaded.join(120)
+print("tritonllm.engine.row_controls" in sys.modules, "torch" in sys.modules)
+engine.shutdown()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"], done.stdout
