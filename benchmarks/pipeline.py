@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.loadgen import Record, Targets, chat_token_ids, token_latencies
-from benchmarks.procs import alive, cpu_seconds, profiled, stub_pids
+from benchmarks.procs import alive, children, cpu_seconds, profiled, stub_pids
 
 PAIRS = {  # entry point -> the engine-alone target it is compared with
     "bls_grpc": "engine_stream",
@@ -176,12 +176,12 @@ async def _closed_loop(job: dict) -> list[list[Record]]:
 
 
 def process_groups(server_pid: int, openai_pid: int | None) -> dict[str, list[int]]:
-    """tritonserver, each model's stub processes (by model name), the OpenAI layer."""
+    """tritonserver, each model's stub processes (by model name), the OpenAI layer with its worker processes."""
     groups: dict[str, list[int]] = {"tritonserver": [server_pid]}
     for model, pid in stub_pids():
         groups.setdefault(model, []).append(int(pid))
     if openai_pid is not None:
-        groups["openai"] = [openai_pid]
+        groups["openai"] = [openai_pid, *children(openai_pid)]
     return groups
 
 
@@ -483,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--clients", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)))
+    parser.add_argument("--openai-workers", type=int, help="the OpenAI layer's processes (default: its own)")
     parser.add_argument(
         "--profile-dir", type=Path, help="py-spy profiles of each stub and the OpenAI layer, per level (needs py-spy)"
     )
@@ -507,7 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     openai = None
     if "openai_chat" in targets:
         openai = OpenAIFrontend.for_build(
-            f"{server.host}:{server.grpc_port}", manifest, free_port(), log_file=args.out / "openai.log"
+            f"{server.host}:{server.grpc_port}",
+            manifest,
+            free_port(),
+            log_file=args.out / "openai.log",
+            workers=args.openai_workers,
         )
     started = time.perf_counter()
     server.start(timeout=600)

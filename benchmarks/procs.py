@@ -28,6 +28,11 @@ def cpu_seconds(pid: int | str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int | str) -> list[int]:
+    """The processes `pid` started (its threads' children)."""
+    return [int(c) for task in Path(f"/proc/{pid}/task").glob("*") for c in (task / "children").read_text().split()]
+
+
 def alive(pid: int | str) -> bool:
     """Not gone and not a zombie (a stub that died stays <defunct> under tritonserver, which does not notice)."""
     try:

@@ -112,7 +112,8 @@ def _served(build: Path, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def openai_frontend(server, manifest, tmp_path_factory):
-    """Start OpenAI-compatible layers in front of the test server: openai_frontend(api_key=None) -> base URL."""
+    """Start OpenAI-compatible layers in front of the test server: openai_frontend(api_key=None) -> base URL.
+    Two workers each, whatever the host's cores: every OpenAI test goes through uvicorn's worker processes."""
     from tritonllm.launch.tritonserver import OpenAIFrontend
 
     started = []
@@ -120,7 +121,7 @@ def openai_frontend(server, manifest, tmp_path_factory):
     def start(api_key: str | None = None) -> str:
         log = tmp_path_factory.mktemp("openai") / "frontend.log"
         frontend = OpenAIFrontend.for_build(
-            f"{server.host}:{server.grpc_port}", manifest, free_port(), api_key=api_key, log_file=log
+            f"{server.host}:{server.grpc_port}", manifest, free_port(), api_key=api_key, log_file=log, workers=2
         )
         frontend.start()
         started.append(frontend)

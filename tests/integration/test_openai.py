@@ -54,11 +54,16 @@ def test_models(api, manifest, model):
     assert api.models.retrieve(model).id == model
 
 
-def test_the_layer_loads_no_torch(base_url, model):
+def test_the_layer_runs_its_workers_and_loads_no_torch(base_url, model):
+    """The fixture asks for two worker processes (uvicorn's, under the process started): both serve, neither
+    loads torch, nor does the process that supervises them."""
     port = base_url.rsplit(":", 1)[1].split("/")[0]
     pids = subprocess.run(["pgrep", "-f", "tritonllm.openai.app"], capture_output=True, text=True).stdout.split()
     [pid] = [pid for pid in pids if f"--port\0{port}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    assert not loads_torch(int(pid))
+    children = subprocess.run(["pgrep", "-P", pid], capture_output=True, text=True).stdout.split()
+    workers = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(workers) == 2, children
+    assert not any(loads_torch(int(p)) for p in [pid, *workers])
 
 
 def test_chat_equals_the_ensemble(api, model, tokenizer, server):

@@ -72,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API port (0: off)")
     parser.add_argument("--model-name", help="the model name of the OpenAI API (default: the model folder's name)")
     parser.add_argument(
+        "--openai-workers",
+        type=int,
+        help="processes of the OpenAI layer (default: one per four cores, at most eight; tritonllm/openai/app.py)",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("TRITONLLM_API_KEY"),
         help="OpenAI API key clients must send (default: $TRITONLLM_API_KEY; none: open)",
@@ -106,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             api_key=args.api_key,
             model_name=args.model_name,
+            workers=args.openai_workers,
         )
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)

@@ -219,6 +219,7 @@ class OpenAIFrontend:
     log_file: Path | None = None
     kv_cache_block_tokens: int = 1
     tokenizer_class: str = ""
+    workers: int | None = None  # its processes on the port; None: tritonllm.openai.app's default for the cores
 
     process: subprocess.Popen | None = None
 
@@ -265,6 +266,8 @@ class OpenAIFrontend:
             command += ["--model-name", self.model_name]
         if self.tokenizer_class:
             command += ["--tokenizer-class", self.tokenizer_class]
+        if self.workers is not None:
+            command += ["--workers", str(self.workers)]
         env = dict(os.environ, TRITONLLM_API_KEY=self.api_key or "")
         output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
         self._output = output

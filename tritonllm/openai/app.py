@@ -1,21 +1,28 @@
 """An OpenAI-compatible API in front of the running Triton server.
 
-    python -m tritonllm.openai.app --manifest build/manifest.json [--grpc-url 127.0.0.1:8001] [--port 9000]
+    python -m tritonllm.openai.app --manifest build/manifest.json [--port 9000] [--workers N]
 
 `GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions` (with `stream: true` as
 server-sent events ending in `data: [DONE]`), so the `openai` client, LangChain, LiteLLM and chat
 UIs work unchanged. It is a thin FastAPI layer: chat messages go through the tokenizer's chat
 template, and every generation is one gRPC stream to the `tensorrt_llm_bls` model (a client that
 disconnects cancels its stream, which frees its place in the engine). No model is loaded here.
+
+It runs as --workers processes on one port (uvicorn's workers: the port's connections are spread over them), since
+one Python process tops out at about a core's worth of streamed tokens (docs/performance.md). A worker holds no state
+another needs: every request's state lives in Triton, and a busy server answers 429 from its own queue.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
+import sys
+import traceback
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -105,6 +112,29 @@ def create_app(settings: Settings, generator: Generator | None = None) -> FastAP
     return app
 
 
+SETTINGS_VARIABLE = "TRITONLLM_OPENAI_SETTINGS"  # the settings, as JSON, for the worker processes uvicorn starts
+
+
+def default_workers(cores: int) -> int:
+    """One worker per four cores, at most eight: the rule of the text models' instances (repository/plan.py), but
+    from one, since the engine and Triton need the cores of a small host more."""
+    return max(1, min(8, cores // 4))
+
+
+def app_from_environment() -> FastAPI:
+    """The app of one worker process, from the settings `main` left in the environment (uvicorn's factory).
+
+    A worker that cannot make it (a tokenizer that does not load) exits with uvicorn's startup-failure code, which
+    stops the others: any other exit and uvicorn starts it again, and again."""
+    from uvicorn.config import STARTUP_FAILURE
+
+    try:
+        return create_app(Settings(**json.loads(os.environ[SETTINGS_VARIABLE])))
+    except Exception:
+        traceback.print_exc()
+        sys.exit(STARTUP_FAILURE)
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
@@ -139,7 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("TRITONLLM_API_KEY"),
         help="require `Authorization: Bearer KEY` (default: $TRITONLLM_API_KEY; none: open)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(len(os.sched_getaffinity(0))),
+        help="processes serving the port (default: one per four cores, at most eight)",
+    )
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
     if args.manifest:  # the build's own limits: never a second default that could disagree with them
         manifest = json.loads(args.manifest.read_text())
         args.tokenizer_dir = manifest["tokenizer_dir"]
@@ -160,7 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         engine_additions=not args.trtllm,
         tokenizer_class=args.tokenizer_class,
     )
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+    if args.workers == 1:
+        app: FastAPI | str = create_app(settings)
+    else:  # uvicorn starts each worker from an import string; this process only supervises them
+        os.environ[SETTINGS_VARIABLE] = json.dumps(dataclasses.asdict(settings))
+        app = "tritonllm.openai.app:app_from_environment"  # a worker that fails to start stops them all
+    uvicorn.run(
+        app, factory=args.workers > 1, workers=args.workers, host=args.host, port=args.port, log_level="warning"
+    )
     return 0
 
 
