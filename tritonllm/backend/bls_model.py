@@ -18,6 +18,7 @@ which both engines honour.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -119,9 +120,13 @@ def _output(response, name: str) -> np.ndarray:
     return tensor.as_numpy()
 
 
-def _join_deltas(earlier, later):
-    """Consecutive deltas merge; a final response stays apart."""
-    return earlier.extend(later) if isinstance(earlier, _Delta) and isinstance(later, _Delta) else None
+def _joinable(earlier, later) -> bool:
+    """Consecutive deltas join; a final response stays apart."""
+    return isinstance(earlier, _Delta) and isinstance(later, _Delta)
+
+
+def _join_deltas(run: list[_Delta]) -> _Delta:
+    return functools.reduce(_Delta.extend, run)
 
 
 class StreamingModel:
@@ -145,6 +150,7 @@ class StreamingModel:
         self.outbox: Outbox[str | object] = Outbox(
             "tensorrt_llm_bls-sender",
             self._send,
+            _joinable,
             _join_deltas,
             self._check_cancelled,
             CANCEL_CHECK_SECONDS,

@@ -142,7 +142,13 @@ class EngineModel:
         self.metrics = EngineMetrics(args["model_name"], args["model_version"])
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # metric records, flushed by the sender thread
         self._outbox: Outbox[Emission] = Outbox(
-            "tensorrt_llm-sender", self._send, Emission.merge, self._tick, CANCEL_CHECK_SECONDS, log_exception
+            "tensorrt_llm-sender",
+            self._send,
+            Emission.joinable,
+            Emission.join,
+            self._tick,
+            CANCEL_CHECK_SECONDS,
+            log_exception,
         )
         self._guided = ThreadPoolExecutor(GUIDED_SUBMITTERS, thread_name_prefix="tensorrt_llm-guided")
         self._compiling = 0  # rows of guided requests not yet handed to the engine (admission counts them)

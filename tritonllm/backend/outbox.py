@@ -21,34 +21,37 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
-def coalesce(items: list[tuple[object, T]], merge: Callable[[T, T], T | None]) -> list[tuple[object, T]]:
-    """Merge each key's consecutive items with `merge` (None keeps them apart); keys keep their first position."""
-    out: list[tuple[object, T]] = []
-    latest: dict[int, int] = {}  # id(key) -> index in `out` of the key's latest item
+def coalesce(
+    items: list[tuple[object, T]], joinable: Callable[[T, T], bool], join: Callable[[list[T]], T]
+) -> list[tuple[object, T]]:
+    """Each key's consecutive joinable items as one (`join` of the run); keys keep their first position."""
+    runs: list[tuple[object, list[T]]] = []
+    latest: dict[int, list[T]] = {}  # id(key) -> the key's latest run
     for key, item in items:
-        at = latest.get(id(key))
-        merged = None if at is None else merge(out[at][1], item)
-        if merged is None:
-            latest[id(key)] = len(out)
-            out.append((key, item))
+        run = latest.get(id(key))
+        if run is not None and joinable(run[-1], item):
+            run.append(item)
         else:
-            out[at] = (key, merged)
-    return out
+            latest[id(key)] = run = [item]
+            runs.append((key, run))
+    return [(key, run[0] if len(run) == 1 else join(run)) for key, run in runs]
 
 
 class Outbox(Generic[T]):
-    """`put(key, item)` from any thread; `send(key, item)` runs on the outbox's own thread, merged by key."""
+    """`put(key, item)` from any thread; `send(key, item)` runs on the outbox's own thread, joined by key."""
 
     def __init__(
         self,
         name: str,
         send: Callable[[object, T], None],
-        merge: Callable[[T, T], T | None],
+        joinable: Callable[[T, T], bool],
+        join: Callable[[list[T]], T],
         tick: Callable[[], None],
         period: float,
         report: Callable[[str], None],
     ) -> None:
-        self._send, self._merge, self._tick, self._period, self._report = send, merge, tick, period, report
+        self._send, self._joinable, self._join = send, joinable, join
+        self._tick, self._period, self._report = tick, period, report
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._running = True
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -78,7 +81,7 @@ class Outbox(Generic[T]):
         next_tick = time.monotonic() + self._period
         while True:
             items = self._take()
-            for key, item in coalesce(items, self._merge):
+            for key, item in coalesce(items, self._joinable, self._join):
                 try:
                     self._send(key, item)
                 except Exception:  # one failed response must not stop the others

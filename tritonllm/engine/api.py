@@ -119,13 +119,14 @@ class TokenLogProbs:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Emission:
     """What the engine reports for a request.
 
     `token_ids` are the tokens since the previous emission of a streaming request, or all the
     generated tokens in the single emission of a non-streaming one. A final emission has a
-    `finish_reason`; only an "error" one has `error`.
+    `finish_reason`; only an "error" one has `error`. Not frozen, though nothing changes one once made: a stream
+    makes one per token, and a frozen dataclass takes four times as long to make.
     """
 
     token_ids: list[int]
@@ -144,14 +145,19 @@ class Emission:
         return self.finish_reason is not None
 
     @staticmethod
-    def merge(earlier: Emission, later: Emission) -> Emission | None:
-        """One emission for a streaming request's two consecutive ones; None when they cannot be one."""
-        if earlier.final or earlier.error or later.error:
-            return None
+    def joinable(earlier: Emission, later: Emission) -> bool:
+        """Whether one emission can carry a streaming request's two consecutive ones: not past a final or an error."""
+        return not (earlier.final or earlier.error or later.error)
+
+    @staticmethod
+    def join(run: list[Emission]) -> Emission:
+        """One emission for consecutive joinable ones: all their tokens (and log probs), the last one's other fields.
+        A run at once: joined a pair at a time, a busy stream's tokens were copied over and over."""
+        token_ids = [token for emission in run for token in emission.token_ids]
         log_probs = None
-        if earlier.log_probs is not None or later.log_probs is not None:
-            log_probs = (earlier.log_probs or []) + (later.log_probs or [])
-        return dataclasses.replace(later, token_ids=earlier.token_ids + later.token_ids, log_probs=log_probs)
+        if any(emission.log_probs is not None for emission in run):
+            log_probs = [p for emission in run for p in emission.log_probs or ()]
+        return dataclasses.replace(run[-1], token_ids=token_ids, log_probs=log_probs)
 
 
 # Beside the engine model, as the build writes it: tensorrt_llm_decoupled/1/ (tensorrt_llm/1/ when decoupled).

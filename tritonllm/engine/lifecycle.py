@@ -45,7 +45,7 @@ class Lifecycle:
         self.tokens.append(token)
         if log_probs is not None:
             self.log_probs.append(log_probs)
-        if any(ends_with(self.tokens, word) for word in request.stop_words):
+        if request.stop_words and any(ends_with(self.tokens, word) for word in request.stop_words):
             return FINISH_STOP
         if len(self.tokens) >= request.max_new_tokens:
             return FINISH_LENGTH

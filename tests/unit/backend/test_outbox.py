@@ -2,33 +2,53 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
 from tritonllm.backend.outbox import Outbox, coalesce
-from tritonllm.engine.api import Emission
+from tritonllm.engine.api import Emission, TokenLogProbs
 
 
-def join_text(a, b):
-    return a + b if isinstance(a, str) and isinstance(b, str) else None
+def texts(a, b) -> bool:
+    return isinstance(a, str) and isinstance(b, str)
 
 
-def test_coalesce_merges_per_key_and_keeps_order():
+TEXT = (texts, "".join)  # an outbox's joinable, join for text items
+
+
+def test_coalesce_joins_per_key_and_keeps_order():
     a, b = object(), object()
-    items = [(a, "x"), (b, "1"), (a, "y"), (b, 2), (a, "z"), (b, "3")]
-    assert coalesce(items, join_text) == [(a, "xyz"), (b, "1"), (b, 2), (b, "3")]
+    items = [(a, "x"), (b, "1"), (a, "y"), (b, 2), (a, "z"), (b, "3"), (b, "4")]
+    assert coalesce(items, *TEXT) == [(a, "xyz"), (b, "1"), (b, 2), (b, "34")]
+
+
+def test_coalesce_joins_a_run_once():
+    runs = []
+    items = [(None, str(i)) for i in range(50)]
+    joined = coalesce(items, texts, lambda run: runs.append(len(run)) or "".join(run))
+    assert joined == [(None, "".join(i for _, i in items))]
+    assert runs == [50]
 
 
 def test_coalesce_keeps_equal_keys_apart_when_they_are_different_objects():
     a, b = [], []  # equal, but two requests
-    assert coalesce([(a, "x"), (b, "y")], join_text) == [(a, "x"), (b, "y")]
+    assert coalesce([(a, "x"), (b, "y")], *TEXT) == [(a, "x"), (b, "y")]
 
 
-def test_emission_merge_joins_tokens_up_to_the_final_one():
-    merged = Emission.merge(Emission([1, 2]), Emission([3], finish_reason="length", time_to_first_token=0.5))
-    assert merged == Emission([1, 2, 3], finish_reason="length", time_to_first_token=0.5)
-    assert Emission.merge(Emission([1], finish_reason="length"), Emission([2])) is None
-    assert Emission.merge(Emission([1]), Emission([], finish_reason="error", error="boom")) is None
+def test_emission_join_joins_tokens_up_to_the_final_one():
+    run = [Emission([1, 2]), Emission([3]), Emission([4], finish_reason="length", time_to_first_token=0.5)]
+    assert all(Emission.joinable(a, b) for a, b in itertools.pairwise(run))
+    assert Emission.join(run) == Emission([1, 2, 3, 4], finish_reason="length", time_to_first_token=0.5)
+    assert not Emission.joinable(Emission([1], finish_reason="length"), Emission([2]))
+    assert not Emission.joinable(Emission([1]), Emission([], finish_reason="error", error="boom"))
+
+
+def test_emission_join_keeps_log_probs_one_per_token():
+    lp = [TokenLogProbs(-1.0), TokenLogProbs(-2.0)]
+    joined = Emission.join([Emission([1], log_probs=lp[:1]), Emission([2], log_probs=lp[1:])])
+    assert joined.token_ids == [1, 2] and joined.log_probs == lp
+    assert Emission.join([Emission([1]), Emission([2])]).log_probs is None
 
 
 def test_outbox_sends_each_item_alone_when_idle_and_merged_when_busy():
@@ -40,7 +60,7 @@ def test_outbox_sends_each_item_alone_when_idle_and_merged_when_busy():
         release.wait(5)  # the first send blocks while more items queue up
 
     key = object()
-    box = Outbox("test-sender", send, join_text, tick=lambda: None, period=0.05, report=print)
+    box = Outbox("test-sender", send, *TEXT, tick=lambda: None, period=0.05, report=print)
     try:
         box.put(key, "a")
         deadline = time.monotonic() + 5
@@ -65,7 +85,13 @@ def test_outbox_survives_a_failing_send_and_ticks():
         sent.append(item)
 
     box = Outbox(
-        "test-sender", send, lambda a, b: None, tick=lambda: ticks.append(1), period=0.02, report=reports.append
+        "test-sender",
+        send,
+        lambda a, b: False,
+        "".join,
+        tick=lambda: ticks.append(1),
+        period=0.02,
+        report=reports.append,
     )
     try:
         box.put("k1", "bad")
@@ -83,7 +109,7 @@ def test_outbox_survives_a_failing_send_and_ticks():
 def test_close_sends_what_is_queued():
     sent = []
     box = Outbox(
-        "test-sender", lambda key, item: sent.append(item), join_text, tick=lambda: None, period=0.05, report=print
+        "test-sender", lambda key, item: sent.append(item), *TEXT, tick=lambda: None, period=0.05, report=print
     )
     for item in "abc":
         box.put(object(), item)
