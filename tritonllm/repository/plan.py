@@ -32,8 +32,8 @@ class BuildError(ConfigError):
 
 
 def text_instances(cores: int) -> int:
-    """Instances of preprocessing, postprocessing and tensorrt_llm_bls: one per four cores of the build host, at
-    least two and at most eight. Each is a process with its own GIL: preprocessing and postprocessing run one
+    """Instances of preprocessing, postprocessing, tensorrt_llm_bls and the bridge: one per four cores of the build
+    host, at least two and at most eight. Each is a process with its own GIL: preprocessing and postprocessing run one
     batch at a time, and one tensorrt_llm_bls process, GIL-bound, carried ~35,000 streamed tokens/s on the
     H200 host's cores (docs/performance.md)."""
     return max(2, min(8, cores // 4))
@@ -105,7 +105,8 @@ class BuildPlan:
         return [f"--backend-config=python,thread-pool-size={threads}"]
 
     def template_values(self) -> dict[str, str]:
-        return {
+        bridge = {} if self.decoupled_mode else {"bridge_instance_count": str(self.text_instances)}  # rendered?
+        return bridge | {
             "triton_max_batch_size": str(self.max_batch_size),
             "max_queue_delay_microseconds": "0",
             "preprocessing_instance_count": str(self.text_instances),

@@ -378,7 +378,7 @@ def test_tokenizer_instances_follow_the_build_hosts_cores():
     assert [text_instances(cores) for cores in (1, 2, 8, 12, 16, 64)] == [2, 2, 2, 3, 4, 8]
     assert VALUES["preprocessing_instance_count"] == VALUES["postprocessing_instance_count"] == str(PLAN.text_instances)
     assert DECOUPLED_VALUES["postprocessing_instance_count"] == "1", "responses keep their order (PLAN's docstring)"
-    assert VALUES["bls_instance_count"] == str(PLAN.text_instances)
+    assert VALUES["bls_instance_count"] == VALUES["bridge_instance_count"] == str(PLAN.text_instances)
 
 
 def test_a_build_rendered_from_other_templates_is_stale(tmp_path):
