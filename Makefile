@@ -69,7 +69,7 @@ ifeq ($(ENGINE),trtllm)
 else
 	$(PY) -m tritonllm serve --repository $(BUILD_DIR)/model_repository --host $(HOST) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) \
-		$(if $(API_KEY),--api-key "$(API_KEY)")
+		$(if $(API_KEY),--api-key "$(API_KEY)") $(if $(OPENAI_WORKERS),--openai-workers $(OPENAI_WORKERS))
 endif
 
 # The image both flavors' GPU runs use: checks Docker and a GPU first, so the error comes before a long pull.
