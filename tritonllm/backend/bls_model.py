@@ -3,10 +3,11 @@
 A decoupled step makes an ensemble decoupled, and a stateless postprocessing step cannot
 detokenize a stream correctly; so this decoupled model runs the pipeline itself, per request:
 `preprocessing` -> `tensorrt_llm` with `streaming` (BLS, decoupled) -> a `TextStream` that
-holds the request's decode state. The first two steps are wired exactly as in the `ensemble`
-config, read at load time, so the two entry points cannot drift apart. The preprocessing step runs
-here, as the preprocessing model's own code with its config's parameters: a BLS round trip to that
-model would add to the first token's wait (docs/performance.md, "First streamed text").
+holds the request's decode state: the per-request pipeline of tritonllm/text/pipeline.py, which this model
+carries over BLS calls. The first two steps are wired exactly as in the `ensemble` config, read at load time,
+so the two entry points cannot drift apart. The preprocessing step runs here, as the preprocessing model's own
+code with its config's parameters: a BLS round trip to that model would add to the first token's wait
+(docs/performance.md, "First streamed text").
 
 Each request runs on a worker thread (`execute` returns at once) that only queues its text; one
 `Outbox` thread sends it, merging a stream's deltas that queued up while it was busy, and asks the
@@ -28,7 +29,6 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.backend.engine_io import log_probs_wanted
 from tritonllm.backend.model_config import read_config
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.text_models import preprocessor
@@ -48,9 +48,8 @@ from tritonllm.backend.triton_glue import (
 )
 from tritonllm.errors import InputError
 from tritonllm.protocol import PERF_OUTPUTS, stop_request_tensors
-from tritonllm.text.detokenization import Detokenizer, finish_reason
-from tritonllm.text.stream import TextStream
-from tritonllm.text.wire import as_text, scalar
+from tritonllm.text.detokenization import Detokenizer
+from tritonllm.text.pipeline import Delta, StreamedRequest, Wiring
 
 CANCEL_CHECK_SECONDS = 0.2
 
@@ -69,64 +68,23 @@ class _Request:
     engine_id: str | None = None  # its engine request's id, once being sent: the key of its `stop` request
     stopped: bool = False  # the sender thread sent a `stop` request for it
     answered: bool = False  # the engine answered it once: its worker stops it at the next response
-    log_probs: int = -1  # as the engine's GenerationRequest.log_probs: -1 none, k the top k too
+    pipeline: StreamedRequest | None = None  # made on its worker thread
     iterators: list = field(default_factory=list)  # its BLS response iterators, kept until settled
-
-
-@dataclass
-class _Delta:
-    """What a streamed response carries: new text and, when the request asked, its new tokens' log probs."""
-
-    text: str = ""
-    ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    top_log_probs: list[np.ndarray] = field(default_factory=list)  # one [k] row per token
-    top_ids: list[np.ndarray] = field(default_factory=list)
-
-    def extend(self, other: _Delta) -> _Delta:
-        self.text += other.text
-        self.ids += other.ids
-        self.log_probs += other.log_probs
-        self.top_log_probs += other.top_log_probs
-        self.top_ids += other.top_ids
-        return self
-
-    def tensors(self, with_log_probs: bool, top: int) -> dict[str, np.ndarray]:
-        # One dimension, as NVIDIA's tensorrt_llm_bls answers: its clients read `text_output[0]` as bytes.
-        tensors = {"text_output": np.array([self.text.encode()], dtype=object)}
-        if with_log_probs:
-            tensors["output_ids"] = np.array([[self.ids]], dtype=np.int32).reshape(1, 1, -1)
-            tensors["output_log_probs"] = np.array([[self.log_probs]], dtype=np.float32).reshape(1, 1, -1)
-        if top:
-            shape = (1, 1, len(self.ids), top)
-            tensors["top_log_probs"] = np.array(self.top_log_probs, dtype=np.float32).reshape(shape)
-            tensors["top_log_prob_ids"] = np.array(self.top_ids, dtype=np.int32).reshape(shape)
-        return tensors
-
-
-@dataclass
-class _Whole(_Delta):
-    """A request's whole answer (its deltas when not streaming), the sum of its log probs, and the perf metrics
-    (KV cache counts, times) of the engine's final response when the request asked for them."""
-
-    cum_log_prob: float = 0.0
-    perf: dict[str, np.ndarray] = field(default_factory=dict)
-
-
-def _output(response, name: str) -> np.ndarray:
-    tensor = pb_utils.get_output_tensor_by_name(response, name)
-    if tensor is None:
-        raise RuntimeError(f"the engine's response has no {name}")
-    return tensor.as_numpy()
 
 
 def _joinable(earlier, later) -> bool:
     """Consecutive deltas join; a final response stays apart."""
-    return isinstance(earlier, _Delta) and isinstance(later, _Delta)
+    return isinstance(earlier, Delta) and isinstance(later, Delta)
 
 
-def _join_deltas(run: list[_Delta]) -> _Delta:
-    return functools.reduce(_Delta.extend, run)
+def _join_deltas(run: list[Delta]) -> Delta:
+    return functools.reduce(Delta.extend, run)
+
+
+def _outputs(response, names) -> dict[str, np.ndarray]:
+    """The response's outputs among `names`, as arrays."""
+    tensors = ((name, pb_utils.get_output_tensor_by_name(response, name)) for name in names)
+    return {name: tensor.as_numpy() for name, tensor in tensors if tensor is not None}
 
 
 class StreamingModel:
@@ -137,8 +95,11 @@ class StreamingModel:
         params = parameters(config)
         repository = Path(args["model_repository"]).parent
         ensemble = read_config(repository / params["ensemble_model_name"] / "config.pbtxt")
-        self.preprocess_step, self.engine_step = ensemble.ensemble_scheduling.step[:2]
-        preprocessing = read_config(repository / self.preprocess_step.model_name / "config.pbtxt")
+        preprocess_step, engine_step = ensemble.ensemble_scheduling.step[:2]
+        self.wiring = Wiring(
+            dict(preprocess_step.input_map), dict(preprocess_step.output_map), dict(engine_step.input_map)
+        )
+        preprocessing = read_config(repository / preprocess_step.model_name / "config.pbtxt")
         self.preprocessor = preprocessor({k: v.string_value for k, v in preprocessing.parameters.items()})
         self.engine_model = params["engine_model_name"]
         self.detokenizer = Detokenizer(self.preprocessor.tokenizer, flag(params["skip_special_tokens"]))
@@ -177,8 +138,8 @@ class StreamingModel:
 
     def _send(self, state: _Request, item) -> None:
         """A text delta, or the final response (a text delta is never sent after it)."""
-        if isinstance(item, _Delta):
-            tensors = item.tensors(state.log_probs >= 0, max(state.log_probs, 0))
+        if isinstance(item, Delta):
+            tensors = state.pipeline.delta_tensors(item)
             state.sender.send(pb_utils.InferenceResponse(to_tensors(tensors, state.wanted)))
             return
         self._live.pop(id(state), None)
@@ -210,40 +171,9 @@ class StreamingModel:
 
     def _generate(self, arrays: dict[str, np.ndarray], state: _Request) -> None:
         try:
-            streaming = bool(scalar(arrays, "stream", 0))
-            if (scalar(arrays, "beam_width", 0) or 1) != 1:
-                raise InputError("beam_width", "tensorrt_llm_bls answers one beam: call ensemble for beam search")
-            if (scalar(arrays, "num_return_sequences", 0) or 1) != 1:
-                raise InputError(
-                    "num_return_sequences",
-                    "tensorrt_llm_bls streams one sequence per request: send one request per sequence (with seeds "
-                    "of their own), or call ensemble in the decoupled deployment (--decoupled-mode)",
-                )
-            state.log_probs = log_probs_wanted(arrays, 0)
-            tensors = dict(arrays)
-            tensors.update(self._preprocess(arrays))
-            stops = (
-                [as_text(v, "stop_words") for v in arrays["stop_words"].reshape(-1)] if "stop_words" in arrays else []
-            )
-            stream = TextStream(self.detokenizer, stops)
-            whole = self._run_engine(tensors, stream, state, streaming)
-            whole.text += stream.finish()
-            if not streaming and scalar(arrays, "exclude_input_in_output", 0) is False:
-                prompt = tensors["_INPUT_ID"].reshape(-1)[: int(tensors["_REQUEST_INPUT_LEN"].reshape(-1)[0])]
-                whole.text = self.detokenizer.decode(prompt.tolist()) + whole.text
-            max_tokens = int(scalar(arrays, "max_tokens", 0))
-            final = whole.tensors(not streaming and state.log_probs >= 0, 0 if streaming else max(state.log_probs, 0))
-            final["finish_reason"] = np.array(
-                [finish_reason(stream.stopped, stream.num_tokens, max_tokens).encode()], dtype=object
-            )
-            if scalar(arrays, "return_num_input_tokens", 0):
-                final["num_input_tokens"] = tensors["_REQUEST_INPUT_LEN"].reshape(1, 1).astype(np.int32)
-            if scalar(arrays, "return_num_output_tokens", 0):
-                final["num_output_tokens"] = np.array([[stream.num_tokens]], dtype=np.int32)
-            if state.log_probs >= 0:
-                final["cum_log_probs"] = np.array([[whole.cum_log_prob]], dtype=np.float32)
-            final.update(whole.perf)
-            response = pb_utils.InferenceResponse(to_tensors(final, state.wanted))
+            state.pipeline = pipeline = StreamedRequest(arrays, self.preprocessor, self.detokenizer, self.wiring)
+            perf = self._run_engine(pipeline, state)
+            response = pb_utils.InferenceResponse(to_tensors(pipeline.final(perf), state.wanted))
         except _Cancelled:
             response = pb_utils.InferenceResponse(
                 error=pb_utils.TritonError("request was cancelled", pb_utils.TritonError.CANCELLED)
@@ -252,45 +182,24 @@ class StreamingModel:
             response = error_response(exc)
         self.outbox.put(state, response)
 
-    def _preprocess(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The ensemble's first step; returns its outputs under their ensemble tensor names."""
-        step = self.preprocess_step
-        inputs = {key: arrays[name] for key, name in step.input_map.items() if name in arrays and key != "STREAM"}
-        (result,) = self.preprocessor.process([inputs])
-        if isinstance(result, Exception):
-            raise result
-        return {step.output_map[name]: array for name, array in result.items() if name in step.output_map}
-
-    def _run_engine(
-        self, tensors: dict[str, np.ndarray], stream: TextStream, state: _Request, streaming: bool
-    ) -> _Whole:
-        """Stream the engine's tokens through `stream`; queue the deltas when `streaming`, else collect them."""
-        step = self.engine_step
-        inputs = [
-            pb_utils.Tensor(key, tensors[name])
-            for key, name in step.input_map.items()
-            if name in tensors and key != "streaming"  # the decoupled ensemble maps it from `stream`
-        ]
-        inputs.append(pb_utils.Tensor("streaming", np.array([[True]])))
+    def _run_engine(self, pipeline: StreamedRequest, state: _Request) -> dict[str, np.ndarray]:
+        """Streams the engine's responses through the pipeline, queueing its deltas; returns the perf metrics of
+        the engine's final response (which a stopped request still waits for) when the request asked for them."""
+        inputs = [pb_utils.Tensor(name, array) for name, array in pipeline.engine_inputs().items()]
         request_id = str(next(self._ids))
-        outputs = ["output_ids", "sequence_length"]
-        if state.log_probs >= 0:
-            outputs.append("output_log_probs")
-        if state.log_probs > 0:
-            outputs += ["top_log_probs", "top_log_prob_ids"]
-        perf = bool(scalar(tensors, "return_perf_metrics", 0))
-        if perf:
-            outputs += list(PERF_OUTPUTS)
         request = pb_utils.InferenceRequest(
-            model_name=self.engine_model, inputs=inputs, requested_output_names=outputs, request_id=request_id
+            model_name=self.engine_model,
+            inputs=inputs,
+            requested_output_names=pipeline.engine_outputs(),
+            request_id=request_id,
         )
-        whole = _Whole()
+        token_outputs = [name for name in pipeline.engine_outputs() if name not in PERF_OUTPUTS]
         stopping = False
         state.engine_id = request_id  # before the call: it returns with the engine's first response only
         last = None  # with perf: the engine's latest response, whose perf metrics are the request's
         for response in exec_decoupled(request, state.iterators):
             state.answered = True
-            if perf and not response.has_error():
+            if pipeline.perf and not response.has_error():
                 last = response
             if stopping:
                 if response.has_error():
@@ -298,37 +207,15 @@ class StreamingModel:
                 continue  # drain until the engine's final response
             if response.has_error():
                 raise_if_error(response)
-            output = pb_utils.get_output_tensor_by_name(response, "output_ids")
-            if output is not None:
-                length = int(pb_utils.get_output_tensor_by_name(response, "sequence_length").as_numpy().reshape(-1)[0])
-                ids = output.as_numpy().reshape(-1)[:length].tolist()
-                delta = _Delta(stream.push(ids))
-                if state.log_probs >= 0:
-                    delta.ids = ids
-                    # TensorRT-LLM's streamed log probs are all those so far (its LLM API slices them the same
-                    # way); the portable engine's are the response's own: the last `length` are this response's.
-                    so_far = _output(response, "output_log_probs").reshape(-1)
-                    delta.log_probs = so_far[len(so_far) - length :].tolist()
-                    whole.cum_log_prob += sum(delta.log_probs)
-                if state.log_probs > 0:
-                    k = state.log_probs
-                    delta.top_log_probs = list(_output(response, "top_log_probs").reshape(-1, k)[:length])
-                    delta.top_ids = list(_output(response, "top_log_prob_ids").reshape(-1, k)[:length])
-                if streaming and (delta.text or delta.ids):
-                    self.outbox.put(state, delta)
-                elif not streaming:
-                    whole.extend(delta)
-            if stream.stopped or state.cancelled:  # sent even if the sender thread did: its stop may have come first
+            delta = pipeline.push(_outputs(response, token_outputs))
+            if delta is not None:
+                self.outbox.put(state, delta)
+            if pipeline.stopped or state.cancelled:  # sent even if the sender thread did: its stop may have come first
                 self._stop_engine(state)
                 stopping = True
         if state.cancelled:
             raise _Cancelled
-        # Read once, from the final response, which a stopped request still waits for (every response has them).
-        for name in PERF_OUTPUTS if last is not None else ():
-            tensor = pb_utils.get_output_tensor_by_name(last, name)
-            if tensor is not None:
-                whole.perf[name] = np.array(tensor.as_numpy()).reshape(1, 1)  # a copy
-        return whole
+        return _outputs(last, PERF_OUTPUTS) if last is not None else {}
 
     def _stop_engine(self, state: _Request) -> None:
         """TensorRT-LLM's way to end a request early: a request with the same id and `stop` set."""

@@ -28,7 +28,7 @@ from tritonllm.protocol import (
     PERF_OUTPUTS,
     TIMING_OUTPUTS,
 )
-from tritonllm.text.wire import Limits, parse_guide, parse_word_list, scalar
+from tritonllm.text.wire import Limits, log_probs_wanted, parse_guide, parse_word_list, scalar
 
 
 def sampling_params(temperature, top_k, top_p, seed) -> SamplingParams:
@@ -174,16 +174,6 @@ def _embedding_bias(arrays: dict[str, np.ndarray], row: int, limits: Limits) -> 
         )
     tokens = np.flatnonzero(bias)
     return tuple(zip(tokens.tolist(), bias[tokens].tolist(), strict=True))
-
-
-def log_probs_wanted(arrays: dict[str, np.ndarray], row: int) -> int:
-    """-1: none; 0: the chosen tokens'; k: also the k most likely (num_top_log_probs, which implies them)."""
-    top = scalar(arrays, "num_top_log_probs", row)
-    if top is not None and top < 0:  # -1 is the engine's "none", not a client's value
-        raise InputError("num_top_log_probs", f"must be >= 0, got {top}")
-    if top:
-        return int(top)
-    return 0 if scalar(arrays, "return_log_probs", row) else -1
 
 
 def guide(arrays: dict[str, np.ndarray], row: int) -> Guide | None:

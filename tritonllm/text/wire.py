@@ -86,3 +86,13 @@ def parse_word_list(array: np.ndarray | None) -> tuple[tuple[int, ...], ...]:
             words.append(tuple(flat[start:end]))
         start = end
     return tuple(words)
+
+
+def log_probs_wanted(arrays: dict[str, np.ndarray], row: int) -> int:
+    """-1: none; 0: the chosen tokens'; k: also the k most likely (num_top_log_probs, which implies them)."""
+    top = scalar(arrays, "num_top_log_probs", row)
+    if top is not None and top < 0:  # -1 is the engine's "none", not a client's value
+        raise InputError("num_top_log_probs", f"must be >= 0, got {top}")
+    if top:
+        return int(top)
+    return 0 if scalar(arrays, "return_log_probs", row) else -1

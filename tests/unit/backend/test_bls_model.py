@@ -11,6 +11,7 @@ import pytest
 from tests.unit.backend import fake_pb_utils
 from tritonllm.errors import EngineFailure, ErrorKind, InputError, ServerBusy
 from tritonllm.protocol import KV_CACHE_OUTPUTS
+from tritonllm.text.pipeline import Delta
 
 
 @pytest.fixture
@@ -128,29 +129,53 @@ def test_a_streamed_delta_carries_only_the_outputs_the_client_asked_for(bls, pb_
     """A client asking for text_output alone with return_log_probs: the ids and log probs stay out (the stub
     would drop them without the GIL, a segfault under Python 3.12)."""
     bls_model, model = bls
-    state = bls_model._Request(pb_utils.ResponseSender(["text_output"]), {"text_output"}, log_probs=0)
-    model._send(state, bls_model._Delta("café", [5], [-0.5]))
+    asks_log_probs = SimpleNamespace(delta_tensors=lambda delta: delta.tensors(True, 0))
+    state = bls_model._Request(pb_utils.ResponseSender(["text_output"]), {"text_output"}, pipeline=asks_log_probs)
+    model._send(state, Delta("café", [5], [-0.5]))
     [(response, flags)] = state.sender.sent
     assert [t.name() for t in response.output_tensors()] == ["text_output"] and flags == 0
     assert response.output_tensors()[0].as_numpy().tolist() == ["café".encode()]
 
 
-def test_a_stopped_request_still_gets_the_kv_cache_counts_of_the_engines_last_response(bls, pb_utils):
+class Pipeline:
+    """A stand-in for text/pipeline.StreamedRequest: records what the carrier hands it."""
+
+    def __init__(self, perf: bool = False, stops: bool = False) -> None:
+        self.perf, self.stops, self.stopped, self.pushed = perf, stops, False, []
+
+    def engine_inputs(self) -> dict:
+        return {"input_ids": np.array([[1, 2]], np.int32)}
+
+    def engine_outputs(self) -> list[str]:
+        return ["output_ids", "sequence_length", "output_log_probs", *(KV_CACHE_OUTPUTS if self.perf else ())]
+
+    def push(self, outputs: dict) -> Delta | None:
+        self.pushed.append(outputs)
+        self.stopped = self.stops
+        return Delta("t", outputs["output_ids"].reshape(-1).tolist())
+
+
+def tokens(pb_utils, *ids: int) -> list:
+    return [
+        pb_utils.Tensor("output_ids", np.array([[ids]], np.int32)),
+        pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32)),
+        pb_utils.Tensor("output_log_probs", np.array([[[-0.5] * len(ids)]], np.float32)),
+    ]
+
+
+@pytest.fixture
+def engine(bls, pb_utils):
+    bls_model, model = bls
+    model._ids = itertools.count()
+    model.sent = []
+    model.outbox = SimpleNamespace(put=lambda state, item: model.sent.append(item))
+    return bls_model, model
+
+
+def test_a_stopped_request_still_gets_the_kv_cache_counts_of_the_engines_last_response(engine, pb_utils):
     """A stop string ends the engine's request early; the counts asked for (return_perf_metrics) come with the
     engine's final response, which the worker drains after stopping it."""
-    bls_model, model = bls
-    model.engine_step = SimpleNamespace(
-        input_map={"input_ids": "_INPUT_ID", "return_perf_metrics": "return_perf_metrics"}
-    )
-    model.outbox = SimpleNamespace(put=lambda state, item: None)
-    model._ids = itertools.count()
-
-    def tokens(*ids: int) -> list:
-        return [
-            pb_utils.Tensor("output_ids", np.array([[ids]], np.int32)),
-            pb_utils.Tensor("sequence_length", np.array([[len(ids)]], np.int32)),
-        ]
-
+    bls_model, model = engine
     counts = [
         pb_utils.Tensor(name, np.array([[n]], np.int32)) for name, n in zip(KV_CACHE_OUTPUTS, (2, 5, 7), strict=True)
     ]
@@ -158,64 +183,32 @@ def test_a_stopped_request_still_gets_the_kv_cache_counts_of_the_engines_last_re
         [pb_utils.InferenceResponse()]
         if request.input("stop") is not None
         else [
-            pb_utils.InferenceResponse(tokens(5)),
-            pb_utils.InferenceResponse(tokens(6)),
+            pb_utils.InferenceResponse(tokens(pb_utils, 5)),
+            pb_utils.InferenceResponse(tokens(pb_utils, 6)),
             pb_utils.InferenceResponse(counts),
         ]
     )
-
-    class StopsAtOnce:
-        stopped = False
-
-        def push(self, ids: list[int]) -> str:
-            self.stopped = True
-            return "x"
-
-    asked = {"_INPUT_ID": np.array([[1, 2]], np.int32), "return_perf_metrics": np.array([[True]])}
-    whole = model._run_engine(asked, StopsAtOnce(), bls_model._Request(pb_utils.ResponseSender()), streaming=True)
+    stops = Pipeline(perf=True, stops=True)
+    perf = model._run_engine(stops, bls_model._Request(pb_utils.ResponseSender()))
     engine_request, stop = pb_utils.bls_requests
     assert set(KV_CACHE_OUTPUTS) <= set(engine_request.requested_output_names) and stop.input("stop") is not None
-    assert {name: int(value.item()) for name, value in whole.perf.items()} == dict(
+    assert {name: int(value.item()) for name, value in perf.items()} == dict(
         zip(KV_CACHE_OUTPUTS, (2, 5, 7), strict=True)
     )
+    assert len(stops.pushed) == 1, "after the stop, the engine's responses are drained, not streamed"
     pb_utils.bls_requests.clear()
-    unasked = model._run_engine(
-        {"_INPUT_ID": asked["_INPUT_ID"]}, StopsAtOnce(), bls_model._Request(pb_utils.ResponseSender()), streaming=True
-    )
-    assert not set(KV_CACHE_OUTPUTS) & set(pb_utils.bls_requests[0].requested_output_names) and unasked.perf == {}
+    unasked = model._run_engine(Pipeline(stops=True), bls_model._Request(pb_utils.ResponseSender()))
+    assert not set(KV_CACHE_OUTPUTS) & set(pb_utils.bls_requests[0].requested_output_names) and unasked == {}
 
 
-@pytest.mark.parametrize("cumulative", [True, False])
-def test_streamed_log_probs_are_each_tokens_own(bls, pb_utils, cumulative):
-    """TensorRT-LLM streams all the log probs so far with each response's new tokens (its LLM API slices them
-    too); the portable engine streams the response's own. Either way each delta gets its tokens' log probs, and
-    cum_log_probs is their sum."""
-    bls_model, model = bls
-    model.engine_step = SimpleNamespace(input_map={"input_ids": "_INPUT_ID"})
-    model._ids = itertools.count()
-    sent = []
-    model.outbox = SimpleNamespace(put=lambda state, item: sent.append(item))
-    values = [-0.5, -1.25, -2.0]
-
-    def response(step: int):
-        own = values[step : step + 1]
-        log_probs = values[: step + 1] if cumulative else own
-        return pb_utils.InferenceResponse(
-            [
-                pb_utils.Tensor("output_ids", np.array([[[10 + step]]], np.int32)),
-                pb_utils.Tensor("sequence_length", np.array([[1]], np.int32)),
-                pb_utils.Tensor("output_log_probs", np.array([[log_probs]], np.float32)),
-            ]
-        )
-
-    pb_utils.bls_handler = lambda request: [response(step) for step in range(3)]
-
-    class Echo:
-        stopped = False
-
-        def push(self, ids: list[int]) -> str:
-            return "t"
-
-    state = bls_model._Request(pb_utils.ResponseSender(), log_probs=0)
-    model._run_engine({"_INPUT_ID": np.array([[1, 2]], np.int32)}, Echo(), state, streaming=True)
-    assert [delta.log_probs for delta in sent] == [[v] for v in values]
+def test_each_engine_response_reaches_the_pipeline_and_its_delta_the_outbox_in_order(engine, pb_utils):
+    bls_model, model = engine
+    pb_utils.bls_handler = lambda request: [pb_utils.InferenceResponse(tokens(pb_utils, 10 + i)) for i in range(3)]
+    pipeline = Pipeline()
+    assert model._run_engine(pipeline, bls_model._Request(pb_utils.ResponseSender())) == {}
+    assert [d.ids for d in model.sent] == [[10], [11], [12]]
+    assert [sorted(outputs) for outputs in pipeline.pushed] == [
+        ["output_ids", "output_log_probs", "sequence_length"]
+    ] * 3
+    (request,) = pb_utils.bls_requests
+    assert request.input("input_ids").tolist() == [[1, 2]]

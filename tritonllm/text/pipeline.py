@@ -1,0 +1,189 @@
+"""One streamed request between a client's tensors and the engine's: the per-request pipeline.
+
+What does not depend on how tensors travel lives here, once: the request's checks, its engine request (the
+ensemble's preprocessing step, wired as the ensemble wires it), the text of each engine response (incremental
+decoding and stop strings, text/stream.py), its log probabilities, and the final response's fields (finish
+reason, token counts, cumulative log probability, perf metrics). A carrier (tensorrt_llm_bls over BLS calls)
+sends `engine_inputs()`, hands each engine response's outputs to `push`, ends the engine's work once `stopped`,
+and sends the deltas and `final()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tritonllm.errors import InputError
+from tritonllm.protocol import PERF_OUTPUTS
+from tritonllm.text.detokenization import Detokenizer, finish_reason
+from tritonllm.text.stream import TextStream
+from tritonllm.text.tokenization import Preprocessor
+from tritonllm.text.wire import as_text, log_probs_wanted, scalar
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """The ensemble's first two steps, each map from the step's tensor name to the ensemble's: what preprocessing
+    reads and writes, and what the engine step reads."""
+
+    preprocess_inputs: Mapping[str, str]
+    preprocess_outputs: Mapping[str, str]
+    engine_inputs: Mapping[str, str]
+
+
+@dataclass
+class Delta:
+    """What a streamed response carries: new text and, when the request asked, its new tokens' log probs."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    top_log_probs: list[np.ndarray] = field(default_factory=list)  # one [k] row per token
+    top_ids: list[np.ndarray] = field(default_factory=list)
+
+    def extend(self, other: Delta) -> Delta:
+        self.text += other.text
+        self.ids += other.ids
+        self.log_probs += other.log_probs
+        self.top_log_probs += other.top_log_probs
+        self.top_ids += other.top_ids
+        return self
+
+    def tensors(self, with_log_probs: bool, top: int) -> dict[str, np.ndarray]:
+        # One dimension, as NVIDIA's tensorrt_llm_bls answers: its clients read `text_output[0]` as bytes.
+        tensors = {"text_output": np.array([self.text.encode()], dtype=object)}
+        if with_log_probs:
+            tensors["output_ids"] = np.array([[self.ids]], dtype=np.int32).reshape(1, 1, -1)
+            tensors["output_log_probs"] = np.array([[self.log_probs]], dtype=np.float32).reshape(1, 1, -1)
+        if top:
+            shape = (1, 1, len(self.ids), top)
+            tensors["top_log_probs"] = np.array(self.top_log_probs, dtype=np.float32).reshape(shape)
+            tensors["top_log_prob_ids"] = np.array(self.top_ids, dtype=np.int32).reshape(shape)
+        return tensors
+
+
+def _output(outputs: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    array = outputs.get(name)
+    if array is None:
+        raise RuntimeError(f"the engine's response has no {name}")
+    return array
+
+
+class StreamedRequest:
+    """One request: built from the client's tensors (raises InputError naming what it cannot take)."""
+
+    def __init__(
+        self, arrays: dict[str, np.ndarray], preprocessor: Preprocessor, detokenizer: Detokenizer, wiring: Wiring
+    ) -> None:
+        self.streaming = bool(scalar(arrays, "stream", 0))
+        if (scalar(arrays, "beam_width", 0) or 1) != 1:
+            raise InputError("beam_width", "tensorrt_llm_bls answers one beam: call ensemble for beam search")
+        if (scalar(arrays, "num_return_sequences", 0) or 1) != 1:
+            raise InputError(
+                "num_return_sequences",
+                "tensorrt_llm_bls streams one sequence per request: send one request per sequence (with seeds "
+                "of their own), or call ensemble in the decoupled deployment (--decoupled-mode)",
+            )
+        self.log_probs = log_probs_wanted(arrays, 0)  # as GenerationRequest.log_probs: -1 none, k the top k too
+        self.max_tokens = int(scalar(arrays, "max_tokens", 0))
+        self.detokenizer = detokenizer
+        self.wiring = wiring
+        self._arrays = arrays
+        self._tensors = {**arrays, **self._preprocess(arrays, preprocessor)}
+        stops = [as_text(v, "stop_words") for v in arrays["stop_words"].reshape(-1)] if "stop_words" in arrays else []
+        self.stream = TextStream(detokenizer, stops)
+        self.perf = bool(scalar(self._tensors, "return_perf_metrics", 0))
+        self._whole = Delta()  # the deltas, when not streaming
+        self._cum_log_prob = 0.0
+
+    def _preprocess(self, arrays: dict[str, np.ndarray], preprocessor: Preprocessor) -> dict[str, np.ndarray]:
+        """The ensemble's first step; its outputs under their ensemble tensor names."""
+        wiring = self.wiring
+        inputs = {key: arrays[name] for key, name in wiring.preprocess_inputs.items() if name in arrays}
+        inputs.pop("STREAM", None)
+        (result,) = preprocessor.process([inputs])
+        if isinstance(result, Exception):
+            raise result
+        return {wiring.preprocess_outputs[name]: a for name, a in result.items() if name in wiring.preprocess_outputs}
+
+    # ------------------------------------------------------------------ the engine request
+
+    def engine_inputs(self) -> dict[str, np.ndarray]:
+        """The engine step's inputs, always streaming (the decoupled ensemble maps `streaming` from `stream`)."""
+        tensors = self._tensors
+        inputs = {
+            key: tensors[name]
+            for key, name in self.wiring.engine_inputs.items()
+            if name in tensors and key != "streaming"
+        }
+        inputs["streaming"] = np.array([[True]])
+        return inputs
+
+    def engine_outputs(self) -> list[str]:
+        outputs = ["output_ids", "sequence_length"]
+        if self.log_probs >= 0:
+            outputs.append("output_log_probs")
+        if self.log_probs > 0:
+            outputs += ["top_log_probs", "top_log_prob_ids"]
+        if self.perf:
+            outputs += list(PERF_OUTPUTS)
+        return outputs
+
+    # ------------------------------------------------------------------ the engine's responses
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the text: the engine's work should end."""
+        return self.stream.stopped
+
+    def push(self, outputs: Mapping[str, np.ndarray]) -> Delta | None:
+        """One engine response's outputs; the delta to stream now, or None (nothing new, or not streaming)."""
+        ids_array = outputs.get("output_ids")
+        if ids_array is None:
+            return None
+        length = int(_output(outputs, "sequence_length").reshape(-1)[0])
+        ids = ids_array.reshape(-1)[:length].tolist()
+        delta = Delta(self.stream.push(ids))
+        if self.log_probs >= 0:
+            delta.ids = ids
+            # TensorRT-LLM's streamed log probs are all those so far (its LLM API slices them the same way); the
+            # portable engine's are the response's own: the last `length` are this response's either way.
+            so_far = _output(outputs, "output_log_probs").reshape(-1)
+            delta.log_probs = so_far[len(so_far) - length :].tolist()
+            self._cum_log_prob += sum(delta.log_probs)
+        if self.log_probs > 0:
+            k = self.log_probs
+            delta.top_log_probs = list(_output(outputs, "top_log_probs").reshape(-1, k)[:length])
+            delta.top_ids = list(_output(outputs, "top_log_prob_ids").reshape(-1, k)[:length])
+        if not self.streaming:
+            self._whole.extend(delta)
+            return None
+        return delta if delta.text or delta.ids else None
+
+    def delta_tensors(self, delta: Delta) -> dict[str, np.ndarray]:
+        return delta.tensors(self.log_probs >= 0, max(self.log_probs, 0))
+
+    def final(self, perf: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """The last response's tensors: the text not sent yet (all of it, when not streaming), the finish reason,
+        the counts and sums asked for, and `perf`, the engine's final response's perf metrics."""
+        whole = self._whole
+        whole.text += self.stream.finish()
+        arrays = self._arrays
+        if not self.streaming and scalar(arrays, "exclude_input_in_output", 0) is False:
+            prompt = self._tensors["_INPUT_ID"].reshape(-1)[: int(self._tensors["_REQUEST_INPUT_LEN"].reshape(-1)[0])]
+            whole.text = self.detokenizer.decode(prompt.tolist()) + whole.text
+        streaming = self.streaming
+        final = whole.tensors(not streaming and self.log_probs >= 0, 0 if streaming else max(self.log_probs, 0))
+        reason = finish_reason(self.stream.stopped, self.stream.num_tokens, self.max_tokens)
+        final["finish_reason"] = np.array([reason.encode()], dtype=object)
+        if scalar(arrays, "return_num_input_tokens", 0):
+            final["num_input_tokens"] = self._tensors["_REQUEST_INPUT_LEN"].reshape(1, 1).astype(np.int32)
+        if scalar(arrays, "return_num_output_tokens", 0):
+            final["num_output_tokens"] = np.array([[self.stream.num_tokens]], dtype=np.int32)
+        if self.log_probs >= 0:
+            final["cum_log_probs"] = np.array([[self._cum_log_prob]], dtype=np.float32)
+        for name, value in (perf or {}).items():
+            final[name] = np.array(value).reshape(1, 1)  # a copy
+        return final
