@@ -29,14 +29,11 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.backend.model_config import read_config
 from tritonllm.backend.outbox import Outbox
-from tritonllm.backend.text_models import preprocessor
 from tritonllm.backend.triton_glue import (
     FINAL,
     error_response,
     exec_decoupled,
-    flag,
     input_arrays,
     log_error,
     log_exception,
@@ -48,8 +45,8 @@ from tritonllm.backend.triton_glue import (
 )
 from tritonllm.errors import InputError
 from tritonllm.protocol import PERF_OUTPUTS, stop_request_tensors
-from tritonllm.text.detokenization import Detokenizer
-from tritonllm.text.pipeline import Delta, StreamedRequest, Wiring
+from tritonllm.text.model_config import flag
+from tritonllm.text.pipeline import Delta, Parts, StreamedRequest
 
 CANCEL_CHECK_SECONDS = 0.2
 
@@ -94,15 +91,8 @@ class StreamingModel:
             raise ValueError("tensorrt_llm_bls must be decoupled: set model_transaction_policy { decoupled: true }")
         params = parameters(config)
         repository = Path(args["model_repository"]).parent
-        ensemble = read_config(repository / params["ensemble_model_name"] / "config.pbtxt")
-        preprocess_step, engine_step = ensemble.ensemble_scheduling.step[:2]
-        self.wiring = Wiring(
-            dict(preprocess_step.input_map), dict(preprocess_step.output_map), dict(engine_step.input_map)
-        )
-        preprocessing = read_config(repository / preprocess_step.model_name / "config.pbtxt")
-        self.preprocessor = preprocessor({k: v.string_value for k, v in preprocessing.parameters.items()})
+        self.parts = Parts.load(repository, params["ensemble_model_name"], flag(params["skip_special_tokens"]))
         self.engine_model = params["engine_model_name"]
-        self.detokenizer = Detokenizer(self.preprocessor.tokenizer, flag(params["skip_special_tokens"]))
         self.workers = ThreadPoolExecutor(int(params["max_inflight_requests"]), thread_name_prefix="bls")
         # Engine request ids, unique per process: the key of `stop` requests (numeric, as TensorRT-LLM wants).
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
@@ -171,7 +161,7 @@ class StreamingModel:
 
     def _generate(self, arrays: dict[str, np.ndarray], state: _Request) -> None:
         try:
-            state.pipeline = pipeline = StreamedRequest(arrays, self.preprocessor, self.detokenizer, self.wiring)
+            state.pipeline = pipeline = self.parts.request(arrays)
             perf = self._run_engine(pipeline, state)
             response = pb_utils.InferenceResponse(to_tensors(pipeline.final(perf), state.wanted))
         except _Cancelled:

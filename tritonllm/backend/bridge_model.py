@@ -18,7 +18,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.backend.engine_io import stack_rows
-from tritonllm.backend.model_config import read_config
 from tritonllm.backend.triton_glue import (
     ENGINE_PARAMETER_INPUTS,
     FINAL,
@@ -33,6 +32,7 @@ from tritonllm.backend.triton_glue import (
     to_tensors,
 )
 from tritonllm.errors import InputError
+from tritonllm.text.model_config import read_config
 from tritonllm.text.wire import scalar
 
 # What NVIDIA's decoupled_mode false deployment cannot answer in one response, and how to get it here.

@@ -33,7 +33,6 @@ from tritonllm.backend.triton_glue import (
     FINAL,
     error_kind,
     error_response,
-    flag,
     input_arrays,
     log_exception,
     log_info,
@@ -53,6 +52,7 @@ from tritonllm.engine.api import (
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, InputError, ServerBusy
+from tritonllm.text.model_config import flag
 from tritonllm.text.wire import Limits, scalar
 
 CANCEL_CHECK_SECONDS = 0.2  # and the period of the load gauges

@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-from tritonllm.backend.triton_glue import flag, model_config, parameters, run_batch
+from tritonllm.backend.triton_glue import model_config, parameters, run_batch
 from tritonllm.text.detokenization import Detokenizer, Postprocessor
-from tritonllm.text.tokenization import GUIDES_BY_ENGINE, Preprocessor
-from tritonllm.text.tokenizer import load_tokenizer
-from tritonllm.text.wire import Limits
-
-
-def tokenizer(params: dict[str, str]):
-    """The tokenizer a text model's config parameters name."""
-    return load_tokenizer(params["tokenizer_dir"], params.get("tokenizer_class", ""))
-
-
-def preprocessor(params: dict[str, str]) -> Preprocessor:
-    """The preprocessing model's step from its config's parameters (tensorrt_llm_bls runs the same one)."""
-    limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
-    return Preprocessor(
-        tokenizer(params),
-        limits,
-        flag(params["add_special_tokens"]),
-        int(params.get("max_beam_width", "1")),
-        params.get("guided_decoding", GUIDES_BY_ENGINE),
-    )
+from tritonllm.text.model_config import flag
+from tritonllm.text.pipeline import preprocessor, tokenizer
 
 
 class PreprocessingModel:

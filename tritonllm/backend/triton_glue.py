@@ -41,11 +41,6 @@ def parameters(config: dict) -> dict[str, str]:
     return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
 
 
-def flag(value: str) -> bool:
-    """A boolean config parameter."""
-    return value.strip().lower() in {"1", "true", "yes", "on"}
-
-
 # Request parameters of the KServe v2 protocol and Triton's extensions, which clients and Triton itself set.
 TRITON_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output", "binary_data_size"}

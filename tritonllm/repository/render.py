@@ -22,9 +22,9 @@ from pathlib import Path
 
 from tritonclient.grpc import model_config_pb2 as mc
 
-from tritonllm.backend.model_config import parse_config, read_config
 from tritonllm.errors import ConfigError
 from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL
+from tritonllm.text.model_config import parse_config, read_config
 
 __all__ = ["RepositoryError", "read_config", "render_configs", "write_repository"]
 

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from tritonllm.errors import InputError
 from tritonllm.protocol import PERF_OUTPUTS
 from tritonllm.text.detokenization import Detokenizer, finish_reason
+from tritonllm.text.model_config import flag, read_config
 from tritonllm.text.stream import TextStream
-from tritonllm.text.tokenization import Preprocessor
-from tritonllm.text.wire import as_text, log_probs_wanted, scalar
+from tritonllm.text.tokenization import GUIDES_BY_ENGINE, Preprocessor
+from tritonllm.text.tokenizer import load_tokenizer
+from tritonllm.text.wire import Limits, as_text, log_probs_wanted, scalar
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,45 @@ class Wiring:
     preprocess_inputs: Mapping[str, str]
     preprocess_outputs: Mapping[str, str]
     engine_inputs: Mapping[str, str]
+
+
+def tokenizer(params: dict[str, str]):
+    """The tokenizer a text model's config parameters name."""
+    return load_tokenizer(params["tokenizer_dir"], params.get("tokenizer_class", ""))
+
+
+def preprocessor(params: dict[str, str]) -> Preprocessor:
+    """The preprocessing model's step from its config's parameters."""
+    limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
+    return Preprocessor(
+        tokenizer(params),
+        limits,
+        flag(params["add_special_tokens"]),
+        int(params.get("max_beam_width", "1")),
+        params.get("guided_decoding", GUIDES_BY_ENGINE),
+    )
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What every request of one repository shares: its wiring, the preprocessing model's step (from that model's
+    config, so a request is tokenized as `ensemble` tokenizes it) and the detokenizer."""
+
+    wiring: Wiring
+    preprocessor: Preprocessor
+    detokenizer: Detokenizer
+
+    @classmethod
+    def load(cls, repository: Path, ensemble: str, skip_special_tokens: bool) -> Parts:
+        config = read_config(repository / ensemble / "config.pbtxt")
+        pre, engine = config.ensemble_scheduling.step[:2]
+        wiring = Wiring(dict(pre.input_map), dict(pre.output_map), dict(engine.input_map))
+        params = read_config(repository / pre.model_name / "config.pbtxt").parameters
+        step = preprocessor({key: value.string_value for key, value in params.items()})
+        return cls(wiring, step, Detokenizer(step.tokenizer, skip_special_tokens))
+
+    def request(self, arrays: dict[str, np.ndarray]) -> StreamedRequest:
+        return StreamedRequest(arrays, self.preprocessor, self.detokenizer, self.wiring)
 
 
 @dataclass

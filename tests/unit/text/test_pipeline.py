@@ -1,4 +1,5 @@
-"""The per-request pipeline (tritonllm/text/pipeline.py), fed engine outputs by hand, wired as the built ensemble."""
+"""The per-request pipeline (tritonllm/text/pipeline.py), loaded from the built repository, fed engine outputs by
+hand."""
 
 from __future__ import annotations
 
@@ -6,22 +7,15 @@ import numpy as np
 import pytest
 
 from tests.conftest import BUILD
-from tritonllm.backend.model_config import read_config
 from tritonllm.errors import InputError
-from tritonllm.text.detokenization import Detokenizer
-from tritonllm.text.pipeline import StreamedRequest, Wiring
-from tritonllm.text.tokenization import Preprocessor
-from tritonllm.text.wire import Limits
+from tritonllm.text.pipeline import Parts, StreamedRequest
 
 TEXT = "Hello, world! The capital of France is Paris. 中国的首都是北京"
 
 
 @pytest.fixture(scope="module")
-def parts(tokenizer):
-    ensemble = read_config(BUILD / "model_repository" / "ensemble" / "config.pbtxt")
-    pre, engine = ensemble.ensemble_scheduling.step[:2]
-    wiring = Wiring(dict(pre.input_map), dict(pre.output_map), dict(engine.input_map))
-    return Preprocessor(tokenizer, Limits(256, 512, len(tokenizer))), Detokenizer(tokenizer, True), wiring
+def parts():
+    return Parts.load(BUILD / "model_repository", "ensemble", skip_special_tokens=True)
 
 
 def make(parts, prompt="Say something.", max_tokens=64, **inputs) -> StreamedRequest:
@@ -31,7 +25,7 @@ def make(parts, prompt="Say something.", max_tokens=64, **inputs) -> StreamedReq
     }
     for name, value in inputs.items():
         arrays[name] = np.array([value], dtype=object if isinstance(value[0], bytes) else None)
-    return StreamedRequest(arrays, *parts)
+    return parts.request(arrays)
 
 
 def response(ids: list[int], log_probs: list[float] | None = None) -> dict[str, np.ndarray]:

@@ -19,7 +19,6 @@ import pytest
 
 from tests.conftest import ROOT
 from tritonllm import versions
-from tritonllm.backend.model_config import parse_config
 from tritonllm.launch import container, serve_trtllm
 from tritonllm.launch.serve_trtllm import load_build
 from tritonllm.launch.server_command import (
@@ -32,6 +31,7 @@ from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL, PORTS
 from tritonllm.repository.builder import main as builder_main
 from tritonllm.repository.plan import BuildError, plan_trtllm
 from tritonllm.repository.render import TEMPLATES, read_config, render_configs, templates_digest, write_repository
+from tritonllm.text.model_config import parse_config
 from tritonllm.trtllm import docker
 from tritonllm.trtllm.engine_build import TrtllmApi, TrtllmBuildError, TrtllmBuildOptions, build_engine
 from tritonllm.trtllm.engine_dir import EngineError, check_version, read_engine

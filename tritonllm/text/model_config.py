@@ -1,4 +1,5 @@
-"""Triton model configs (`config.pbtxt`) parsed into Triton's own `ModelConfig` message (no server needed)."""
+"""Triton model configs (`config.pbtxt`) parsed into Triton's own `ModelConfig` message (no server needed), and
+their parameters."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from tritonllm.errors import ConfigError
+
+
+def flag(value: str) -> bool:
+    """A boolean config parameter."""
+    return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
 def parse_config(text: str, where: str) -> mc.ModelConfig:
