@@ -238,7 +238,11 @@ def start_ours(build: Path, log_dir: Path) -> Running:
     server = TritonServer.on_free_ports(build, log_file=log_dir / f"{build.name}-server.log")
     server.start(timeout=600)
     openai = OpenAIFrontend.for_build(
-        f"{server.host}:{server.grpc_port}", manifest, free_port(), log_file=log_dir / f"{build.name}-openai.log"
+        f"{server.host}:{server.grpc_port}",
+        manifest,
+        free_port(),
+        log_file=log_dir / f"{build.name}-openai.log",
+        repository=str(server.repository),
     )
     try:
         openai.start()

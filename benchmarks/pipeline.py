@@ -513,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             free_port(),
             log_file=args.out / "openai.log",
             workers=args.openai_workers,
+            repository=str(server.repository),
         )
     started = time.perf_counter()
     server.start(timeout=600)

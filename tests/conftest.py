@@ -121,7 +121,13 @@ def openai_frontend(server, manifest, tmp_path_factory):
     def start(api_key: str | None = None) -> str:
         log = tmp_path_factory.mktemp("openai") / "frontend.log"
         frontend = OpenAIFrontend.for_build(
-            f"{server.host}:{server.grpc_port}", manifest, free_port(), api_key=api_key, log_file=log, workers=2
+            f"{server.host}:{server.grpc_port}",
+            manifest,
+            free_port(),
+            api_key=api_key,
+            log_file=log,
+            workers=2,
+            repository=str(server.repository),
         )
         frontend.start()
         started.append(frontend)

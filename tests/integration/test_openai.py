@@ -14,11 +14,12 @@ import numpy as np
 import openai
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 
 from client import generate, infer_inputs, request_tensors
 from tests.integration.test_server import loads_torch
 from tests.integration.test_streaming import wait_for_in_flight
-from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, MAX_WORD_BYTES
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, MAX_WORD_BYTES, STREAMING_MODEL
 
 pytestmark = pytest.mark.integration
 QUESTION = "What is the capital of France?"
@@ -64,6 +65,22 @@ def test_the_layer_runs_its_workers_and_loads_no_torch(base_url, model):
     workers = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(workers) == 2, children
     assert not any(loads_torch(int(p)) for p in [pid, *workers])
+
+
+def test_choices_stream_from_the_engine_model_not_through_tensorrt_llm_bls(api, model, server, manifest):
+    """With the repository at hand the layer runs each choice's pipeline itself (openai/engine_stream.py)."""
+
+    def counts() -> dict[str, int]:
+        with httpclient.InferenceServerClient(server.http_url.removeprefix("http://")) as triton:
+            stats = triton.get_inference_statistics()["model_stats"]
+        return {s["name"]: int(s["inference_stats"]["success"]["count"]) for s in stats}
+
+    before = counts()
+    text, _ = stream_chat(api, model, max_tokens=16, stop=["Paris"])
+    after = counts()
+    assert after[STREAMING_MODEL] == before[STREAMING_MODEL]
+    assert after[manifest["engine_model"]] > before[manifest["engine_model"]]
+    assert "Paris" not in text
 
 
 def test_chat_equals_the_ensemble(api, model, tokenizer, server):

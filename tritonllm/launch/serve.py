@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             api_key=args.api_key,
             model_name=args.model_name,
             workers=args.openai_workers,
+            repository=str(repository),
         )
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)

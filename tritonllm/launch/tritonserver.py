@@ -220,6 +220,7 @@ class OpenAIFrontend:
     kv_cache_block_tokens: int = 1
     tokenizer_class: str = ""
     workers: int | None = None  # its processes on the port; None: tritonllm.openai.app's default for the cores
+    repository: str = ""  # the built repository: the direct path to the engine model (portable flavor)
 
     process: subprocess.Popen | None = None
 
@@ -228,6 +229,8 @@ class OpenAIFrontend:
         """The layer for a build's model (its tokenizer and limits, from manifest.json) in front of `grpc_url`."""
         options.setdefault("kv_cache_block_tokens", manifest.get("kv_cache_block_tokens", 1))
         options.setdefault("tokenizer_class", manifest.get("tokenizer_class", ""))
+        if manifest.get("engine") == "trtllm":  # its engine model does not stream in the default deployment
+            options["repository"] = ""
         return cls(
             grpc_url, manifest["tokenizer_dir"], manifest["max_input_len"], manifest["max_seq_len"], port, **options
         )
@@ -268,6 +271,8 @@ class OpenAIFrontend:
             command += ["--tokenizer-class", self.tokenizer_class]
         if self.workers is not None:
             command += ["--workers", str(self.workers)]
+        if self.repository:
+            command += ["--repository", self.repository]
         env = dict(os.environ, TRITONLLM_API_KEY=self.api_key or "")
         output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
         self._output = output

@@ -160,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="without --manifest: the server runs a TensorRT-LLM engine (none of the portable engine's additions)",
     )
+    parser.add_argument(
+        "--repository",
+        default="",
+        help="the built model repository: each choice streams from the engine model, its text made here (with "
+        "--manifest, the manifest's own, for the portable flavor); none: through tensorrt_llm_bls",
+    )
     parser.add_argument("--grpc-url", default=f"127.0.0.1:{PORTS['grpc']}", help="the Triton server's gRPC address")
     parser.add_argument("--model-name", help="the name clients use (default: the tokenizer folder's name)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -185,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         args.kv_cache_block_tokens = manifest.get("kv_cache_block_tokens", 1)
         args.tokenizer_class = manifest.get("tokenizer_class", "")
         args.trtllm = manifest.get("engine") == "trtllm"
+        if not args.trtllm and not args.repository:
+            args.repository = str(args.manifest.parent / "model_repository")
     elif not (args.tokenizer_dir and args.max_input_len and args.max_seq_len):
         parser.error("give --manifest, or --tokenizer-dir with --max-input-len and --max-seq-len")
     settings = Settings(
@@ -197,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_block_tokens=args.kv_cache_block_tokens,
         engine_additions=not args.trtllm,
         tokenizer_class=args.tokenizer_class,
+        repository=args.repository,
     )
     if args.workers == 1:
         app: FastAPI | str = create_app(settings)

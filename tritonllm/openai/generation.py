@@ -1,7 +1,9 @@
-"""Generation through Triton for the OpenAI layer: one gRPC stream to `tensorrt_llm_bls` per choice.
+"""Generation through Triton for the OpenAI layer: one gRPC stream per choice, to the engine model with the
+per-request pipeline run here (engine_stream.py) when the layer has the repository and the engine streams, else to
+`tensorrt_llm_bls`, which runs the same pipeline inside Triton.
 
 No model is loaded here, only the tokenizer: for the chat template, to count a prompt's tokens as the
-preprocessing model does, and to write log probabilities' tokens as text.
+preprocessing model does, to write log probabilities' tokens as text, and for the pipeline.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -17,11 +20,13 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException
 
 from tritonllm.errors import ErrorKind
+from tritonllm.openai.engine_stream import EngineStreams
 from tritonllm.openai.errors import triton_error
 from tritonllm.openai.logprobs import TokenTexts
 from tritonllm.openai.models import FINISH_REASONS, APIError, Generation, SamplingRequest, Settings
 from tritonllm.openai.tools import hermes_messages, template_renders_tools
 from tritonllm.protocol import infer_inputs, request_tensors
+from tritonllm.text.pipeline import Parts, streaming_parameters
 from tritonllm.text.tokenizer import load_tokenizer
 
 T = TypeVar("T")
@@ -32,7 +37,15 @@ class Generator:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.tokenizer = tokenizer = load_tokenizer(settings.tokenizer_dir, settings.tokenizer_class)
+        self.direct: EngineStreams | None = None
+        if settings.repository:
+            repository = Path(settings.repository)
+            ensemble, engine_model, skip_special_tokens = streaming_parameters(repository)
+            self.direct = EngineStreams(Parts.load(repository, ensemble, skip_special_tokens), engine_model)
+            tokenizer = self.direct.parts.preprocessor.tokenizer  # the preprocessing model's, loaded once
+        else:
+            tokenizer = load_tokenizer(settings.tokenizer_dir, settings.tokenizer_class)
+        self.tokenizer = tokenizer
         bos = tokenizer.bos_token_id
         self._adds_bos = bool(bos is not None and tokenizer("x")["input_ids"][:1] == [bos])
         self.vocab_size = len(tokenizer)
@@ -102,10 +115,18 @@ class Generator:
         self, prompt: str, body: SamplingRequest, max_tokens: int, index: int
     ) -> AsyncIterator[Generation]:
         """Stream one choice from Triton: deltas (finish_reason None), then a final Generation."""
-        inputs = infer_inputs(
-            grpcclient,
-            request_tensors(prompt, max_tokens, **body.inputs(index, self.vocab_size, self.settings.engine_additions)),
+        tensors = request_tensors(
+            prompt, max_tokens, **body.inputs(index, self.vocab_size, self.settings.engine_additions)
         )
+        if self.direct is not None:
+            pipeline = self.direct.request({name: value for name, value, _ in tensors})
+            try:
+                async for outputs in self.direct.stream(self.client, pipeline):
+                    yield response(Arrays(outputs), index, self.settings.kv_cache_block_tokens)
+            except grpc.RpcError as exc:
+                raise triton_error(InferenceServerException(msg=exc.details(), status=str(exc.code()))) from None
+            return
+        inputs = infer_inputs(grpcclient, tensors)
 
         async def requests():
             yield {"model_name": self.settings.triton_model, "inputs": inputs, "request_id": uuid.uuid4().hex}
@@ -204,6 +225,13 @@ def response(result, index: int, block_tokens: int = 1) -> Generation:
         reused = int(output_scalar(result, "kv_cache_reused_blocks", 0)) * block_tokens
         generation.cached_tokens = min(reused, generation.prompt_tokens)
     return generation
+
+
+class Arrays(dict):
+    """Tensors by name, read as a tritonclient result is (`as_numpy`)."""
+
+    def as_numpy(self, name: str):
+        return self.get(name)
 
 
 def output_scalar(result, name: str, default=None):

@@ -306,6 +306,9 @@ class Settings:
     # flavor's returns no top log probabilities and applies its own rule to presence and frequency (docs/api.md).
     engine_additions: bool = True
     tokenizer_class: str = ""  # the build's record of it (tritonllm/text/tokenizer.py); empty: AutoTokenizer picks
+    # The built repository, for the direct path to the engine model (openai/engine_stream.py); empty: every choice
+    # goes through tensorrt_llm_bls (the TensorRT-LLM flavor's engine model does not stream in its default deployment).
+    repository: str = ""
 
 
 @dataclass

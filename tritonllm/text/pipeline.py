@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from tritonllm.errors import InputError
-from tritonllm.protocol import PERF_OUTPUTS
+from tritonllm.protocol import PERF_OUTPUTS, STREAMING_MODEL
 from tritonllm.text.detokenization import Detokenizer, finish_reason
 from tritonllm.text.model_config import flag, read_config
 from tritonllm.text.stream import TextStream
@@ -51,6 +51,15 @@ def preprocessor(params: dict[str, str]) -> Preprocessor:
         int(params.get("max_beam_width", "1")),
         params.get("guided_decoding", GUIDES_BY_ENGINE),
     )
+
+
+def streaming_parameters(repository: Path) -> tuple[str, str, bool]:
+    """What `tensorrt_llm_bls` carries its pipelines with, from its config: the ensemble whose wiring it follows,
+    the engine model it streams from, and whether special tokens are left out of the text."""
+    params = {
+        k: v.string_value for k, v in read_config(repository / STREAMING_MODEL / "config.pbtxt").parameters.items()
+    }
+    return params["ensemble_model_name"], params["engine_model_name"], flag(params["skip_special_tokens"])
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,105 @@
+"""The OpenAI layer's direct path: one gRPC stream to the engine model per choice, carrying the per-request pipeline.
+
+Where the repository is at hand and the engine streams (the portable flavor), each choice is a `StreamedRequest`
+(tritonllm/text/pipeline.py) run here, in the layer's worker process: tokenized with the preprocessing model's
+own step and wiring, streamed from the engine model (`tensorrt_llm_decoupled`, or `tensorrt_llm` in the
+decoupled deployment), and detokenized here. `tensorrt_llm_bls` does the same inside Triton; this path saves
+its hop and spreads the text work over the layer's workers. A stop string ends the engine's work with
+TensorRT-LLM's `stop` request on the same stream, and the engine's final response (its perf metrics) is still
+awaited, as tensorrt_llm_bls does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import np_to_triton_dtype
+
+from tritonllm.errors import TritonLLMError
+from tritonllm.openai.errors import triton_error
+from tritonllm.openai.models import APIError
+from tritonllm.protocol import PERF_OUTPUTS, stop_request_tensors
+from tritonllm.text.pipeline import Parts, StreamedRequest
+
+EMPTY_FINAL = {"triton_enable_empty_final_response": True}  # so a flags-only last response reaches the client
+
+
+def grpc_inputs(arrays: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
+    inputs = []
+    for name, array in arrays.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+class EngineStreams:
+    """Streams each choice from the engine model, with the pipeline run in this process."""
+
+    def __init__(self, parts: Parts, engine_model: str) -> None:
+        self.parts, self.engine_model = parts, engine_model
+
+    def request(self, arrays: dict[str, np.ndarray]) -> StreamedRequest:
+        """The choice's pipeline; a client mistake is the 400 that names it, as tensorrt_llm_bls would answer."""
+        try:
+            return self.parts.request(arrays)
+        except TritonLLMError as exc:
+            raise APIError(exc.kind, str(exc)) from None
+
+    async def stream(
+        self, client: grpcaio.InferenceServerClient, pipeline: StreamedRequest
+    ) -> AsyncIterator[dict[str, np.ndarray]]:
+        """The choice's responses as tensorrt_llm_bls's tensors: text deltas, then the final response's."""
+        request_id = uuid.uuid4().hex
+        engine_outputs = pipeline.engine_outputs()
+        token_outputs = [name for name in engine_outputs if name not in PERF_OUTPUTS]
+        wake = asyncio.Event()  # the engine answered in full, or the choice needs its `stop`
+        stop = False
+
+        async def requests():
+            yield {
+                "model_name": self.engine_model,
+                "inputs": grpc_inputs(pipeline.engine_inputs()),
+                "outputs": [grpcclient.InferRequestedOutput(name) for name in engine_outputs],
+                "request_id": request_id,
+                "parameters": EMPTY_FINAL,
+            }
+            await wake.wait()  # the stream stays open for a `stop` until the engine's final response
+            if stop:
+                inputs = [(name, value) for name, value, _ in stop_request_tensors()]
+                yield {"model_name": self.engine_model, "inputs": grpc_inputs(dict(inputs)), "request_id": request_id}
+
+        responses = client.stream_infer(requests())
+        perf: dict[str, np.ndarray] = {}
+        finished = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    finished = True  # an error ends the request
+                    raise triton_error(error)
+                if pipeline.perf:
+                    perf.update({n: a for n in PERF_OUTPUTS if (a := result.as_numpy(n)) is not None})
+                if not stop:
+                    outputs = {n: a for n in token_outputs if (a := result.as_numpy(n)) is not None}
+                    delta = pipeline.push(outputs)
+                    if delta is not None:
+                        yield pipeline.delta_tensors(delta)
+                    if pipeline.stopped:
+                        stop = True
+                        wake.set()
+                parameters = result.get_response().parameters
+                if "triton_final_response" in parameters and parameters["triton_final_response"].bool_param:
+                    break
+            finished = True
+            yield pipeline.final(perf)
+        finally:
+            wake.set()  # ends the request stream: the call completes once the server has answered
+            # Ends the request in Triton if we stop early (the client went away). Not after the final
+            # response: a cancellation arriving then leaves tritonserver 2.51 unable to unload the model.
+            if not finished:
+                responses.cancel()
