@@ -5,8 +5,9 @@
 `GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions` (with `stream: true` as
 server-sent events ending in `data: [DONE]`), so the `openai` client, LangChain, LiteLLM and chat
 UIs work unchanged. It is a thin FastAPI layer: chat messages go through the tokenizer's chat
-template, and every generation is one gRPC stream to the `tensorrt_llm_bls` model (a client that
-disconnects cancels its stream, which frees its place in the engine). No model is loaded here.
+template, and every generation is one gRPC stream: to the engine model with the per-request pipeline run here
+(--repository, the portable flavor), else to `tensorrt_llm_bls` (a client that disconnects cancels its stream,
+which frees its place in the engine). No model is loaded here.
 
 It runs as --workers processes on one port (uvicorn's workers: the port's connections are spread over them), since
 one Python process tops out at about a core's worth of streamed tokens (docs/performance.md). A worker holds no state
