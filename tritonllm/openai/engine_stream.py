@@ -23,19 +23,14 @@ from tritonclient.utils import np_to_triton_dtype
 from tritonllm.errors import TritonLLMError
 from tritonllm.openai.errors import triton_error
 from tritonllm.openai.models import APIError
-from tritonllm.protocol import PERF_OUTPUTS, stop_request_tensors
+from tritonllm.protocol import PERF_OUTPUTS, infer_inputs, stop_request_tensors
 from tritonllm.text.pipeline import Parts, StreamedRequest
 
 EMPTY_FINAL = {"triton_enable_empty_final_response": True}  # so a flags-only last response reaches the client
 
 
 def grpc_inputs(arrays: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    return infer_inputs(grpcclient, [(name, array, np_to_triton_dtype(array.dtype)) for name, array in arrays.items()])
 
 
 class EngineStreams:

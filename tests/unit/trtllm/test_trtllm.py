@@ -650,7 +650,7 @@ def test_the_trtllm_image_installs_tritonclient_without_resolving_its_dependenci
     assert installs and all("--no-deps" in c for c in installs), installs
     (install,) = [c for c in installs if "tritonclient" in c]
     assert '"tritonclient==2.51.0"' in install and "[" not in install, "extras mean nothing without dependencies"
-    used = (ROOT / "tritonllm" / "backend" / "model_config.py").read_text()
+    used = (ROOT / "tritonllm" / "text" / "model_config.py").read_text()
     assert "from tritonclient.grpc import model_config_pb2" in used
     check = 'python3 -c "from tritonclient.grpc import model_config_pb2"'
     assert check in commands[commands.index(install) + 1 :], "the image build imports what the project uses"
