@@ -66,8 +66,8 @@ class EngineStreams:
             }
             await wake.wait()  # the stream stays open for a `stop` until the engine's final response
             if stop:
-                inputs = [(name, value) for name, value, _ in stop_request_tensors()]
-                yield {"model_name": self.engine_model, "inputs": grpc_inputs(dict(inputs)), "request_id": request_id}
+                inputs = infer_inputs(grpcclient, stop_request_tensors())
+                yield {"model_name": self.engine_model, "inputs": inputs, "request_id": request_id}
 
         responses = client.stream_infer(requests())
         perf: dict[str, np.ndarray] = {}
@@ -77,8 +77,6 @@ class EngineStreams:
                 if error is not None:
                     finished = True  # an error ends the request
                     raise triton_error(error)
-                if pipeline.perf:
-                    perf.update({n: a for n in PERF_OUTPUTS if (a := result.as_numpy(n)) is not None})
                 if not stop:
                     outputs = {n: a for n in token_outputs if (a := result.as_numpy(n)) is not None}
                     delta = pipeline.push(outputs)
@@ -89,6 +87,9 @@ class EngineStreams:
                         wake.set()
                 parameters = result.get_response().parameters
                 if "triton_final_response" in parameters and parameters["triton_final_response"].bool_param:
+                    # The engine sends its perf metrics with every response; the final one's are the request's.
+                    if pipeline.perf:
+                        perf = {n: a for n in PERF_OUTPUTS if (a := result.as_numpy(n)) is not None}
                     break
             finished = True
             yield pipeline.final(perf)
