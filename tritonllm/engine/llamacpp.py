@@ -8,8 +8,9 @@ want of cache. With the prefix cache on, a finished request's cells stay in the 
 llama.cpp's server keeps a slot's: a new prompt that begins with the same tokens gets the cells of the longest such
 prefix shared into its own sequence and computes only the rest; kept cells give way, oldest first, to a request that
 needs their room or their id. llama.cpp computes the step's logits; the host picks each request's token: the argmax
-of its row (of its biased row, for a greedy request whose only control is a logit bias), or, for a request with other
-generation controls, its row processed alone (tritonllm/engine/row_controls.py). Streaming, stop words, end id,
+of its row; for a request whose only controls are a logit bias and sampling, its row biased and drawn from in numpy
+(tritonllm/engine/row_draw.py); for one with other generation controls, its row processed alone with torch
+(tritonllm/engine/row_controls.py). Streaming, stop words, end id,
 cancellation and finish reasons are the portable engine's (tritonllm/engine/portable.py).
 
 `llama_decode` runs without the interpreter lock (ctypes releases it), so the engine model's sender thread sends
@@ -38,12 +39,14 @@ from tritonllm.engine.api import (
     Emission,
     EngineConfig,
     GenerationRequest,
+    SamplingParams,
     TokenLogProbs,
     check_request,
 )
 from tritonllm.engine.checks import check_controls
 from tritonllm.engine.cpu_threads import start_yielding
 from tritonllm.engine.lifecycle import Lifecycle
+from tritonllm.engine.row_draw import draw_one, step_seed
 from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
 
@@ -56,7 +59,7 @@ _LOG_WARN, _LOG_ERROR, _LOG_CONT = 3, 4, 5
 @dataclass(eq=False)
 class _Sequence(Lifecycle):
     request_id: str
-    controls: object | None  # RowControls or _GreedyBias, for a request that uses any
+    controls: object | None  # RowControls or _RowChoice, for a request that uses any
     pending: list[int]  # tokens to feed: the prompt, then each generated token
     reserved: int  # KV cache cells held for it: its prompt and its new tokens
     position: int = 0  # tokens in the KV cache
@@ -95,19 +98,31 @@ class _Batch:
         self.size = self.struct.n_tokens = end
 
 
-class _GreedyBias:
-    """The commonest control alone: greedy with a logit bias (OpenAI's logit_bias, a banned end token), in numpy;
-    the same choice as RowControls' (a token listed twice gets both values), without its per-row tensor work."""
+class _RowChoice:
+    """The commonest controls alone, in numpy, without torch: a logit bias (OpenAI's logit_bias, a banned end token)
+    and sampling (temperature, top_k, top_p, seed). The same choice as RowControls' (a token listed twice gets both
+    values; the end id is banned before min_tokens), without its per-row tensor work."""
 
     def __init__(self, request: GenerationRequest, vocab_size: int) -> None:
-        ids, values = zip(*request.embedding_bias, strict=True)
-        self.ids, self.values, self.vocab_size = np.array(ids), np.array(values, np.float32), vocab_size
-        self.request = request
+        self.ids = self.values = None
+        if request.embedding_bias:
+            ids, values = zip(*request.embedding_bias, strict=True)
+            self.ids, self.values = np.array(ids), np.array(values, np.float32)
+        self.request, self.vocab_size = request, vocab_size
 
     def choose(self, row: np.ndarray, generated: list[int]) -> tuple[int, None]:
-        scores = row[: self.vocab_size].copy()
-        np.add.at(scores, self.ids, self.values)
-        return greedy_token(scores, int(scores.argmax()), self.request, generated), None
+        request, sampling = self.request, self.request.sampling
+        scores = row[: self.vocab_size]
+        if self.ids is not None:
+            scores = scores.copy()
+            np.add.at(scores, self.ids, self.values)
+        if not sampling.sample:
+            return greedy_token(scores, int(scores.argmax()), request, generated), None
+        if len(generated) < request.penalties.min_tokens and 0 <= request.end_id < self.vocab_size:
+            scores = scores.copy() if self.ids is None else scores
+            scores[request.end_id] = -np.inf
+        seed = step_seed(sampling.seed, len(request.input_ids) + len(generated))
+        return draw_one(scores, sampling.temperature, min(sampling.top_k, 2**31 - 1), sampling.top_p, seed), None
 
 
 def greedy_token(scores: np.ndarray, best: int, request: GenerationRequest, generated: list[int]) -> int:
@@ -120,13 +135,12 @@ def greedy_token(scores: np.ndarray, best: int, request: GenerationRequest, gene
 
 
 def _load_controls() -> None:
-    """Import the controls' path and run one seeded draw, which pays torch's first-call costs too."""
+    """Import the controls' path and run one of its operations, which pays torch's first-call costs too."""
     import torch
 
     import tritonllm.engine.row_controls  # noqa: F401
-    from tritonllm.engine.logits import draw_one
 
-    draw_one(torch.zeros(8), 0.7, 0, 0.95, 0)
+    torch.zeros(8).log_softmax(dim=-1)
 
 
 class LlamaCppEngine(BlockingGenerate):
@@ -224,8 +238,8 @@ class LlamaCppEngine(BlockingGenerate):
     def _controls(self, request: GenerationRequest, request_id: str):
         if not request.uses_controls:
             return None
-        if not dataclasses.replace(request, embedding_bias=()).uses_controls:
-            return _GreedyBias(request, self.vocab_size)
+        if not dataclasses.replace(request, embedding_bias=(), sampling=SamplingParams()).uses_controls:
+            return _RowChoice(request, self.vocab_size)
         from tritonllm.engine.row_controls import RowControls  # torch: loading since the start (_load_controls)
 
         follower = None

@@ -4,7 +4,7 @@ The portable engine runs the controls as argument groups inside transformers' ba
 (tritonllm/engine/sampling.py, controls.py, guided.py); llama.cpp hands each step's logits to the host, where a
 request that uses a control gets its row processed alone, with the same tensor operations (tritonllm/engine/logits.py)
 and in the same order: log probabilities of the raw logits, embedding bias, penalties, bans (bad words, the end id
-before min_tokens), the grammar's mask, then the seeded draw (logits.draw_one: `sample`'s draw, without sorting the
+before min_tokens), the grammar's mask, then the seeded draw (row_draw.draw_one: `sample`'s draw, without sorting the
 whole row). A request without controls never comes here: its token is the row's argmax.
 """
 
@@ -17,7 +17,8 @@ import torch
 
 from tritonllm.engine.api import GenerationRequest, TokenLogProbs, ends_with
 from tritonllm.engine.guided import Follower
-from tritonllm.engine.logits import draw_one, penalise, step_seed
+from tritonllm.engine.logits import penalise
+from tritonllm.engine.row_draw import draw_one, step_seed
 from tritonllm.protocol import MAX_TOP_LOG_PROBS
 
 
@@ -92,7 +93,8 @@ class RowControls:
         if request.sampling.sample:
             sampling = request.sampling
             seed = step_seed(sampling.seed, len(request.input_ids) + len(generated))
-            token = draw_one(scores[0], sampling.temperature, min(sampling.top_k, 2**31 - 1), sampling.top_p, seed)
+            top_k = min(sampling.top_k, 2**31 - 1)
+            token = draw_one(scores[0].numpy(), sampling.temperature, top_k, sampling.top_p, seed)
         else:
             token = int(scores.argmax(dim=-1))
         self._accept(token)

@@ -31,7 +31,8 @@ from transformers.generation.continuous_batching.cb_logits_processors import Con
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 
 from tritonllm.engine.api import ends_with
-from tritonllm.engine.logits import GREEDY, MIN_TEMPERATURE, ban, sample, step_seed
+from tritonllm.engine.logits import GREEDY, ban, sample
+from tritonllm.engine.row_draw import MIN_TEMPERATURE, step_seed
 
 
 class ArgumentGroup:

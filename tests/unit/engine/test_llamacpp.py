@@ -1,5 +1,6 @@
 """The llama.cpp engine against llama.cpp itself and against transformers, and its admission to a full cache."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,7 +14,16 @@ import torch
 from tests.conftest import BUILD
 from tests.unit.engine.conftest import chat_ids
 from tests.unit.engine.test_cpu_engines import make_engine
-from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, TRANSFORMERS, EngineConfig, GenerationRequest, Penalties
+from tritonllm.engine.api import (
+    GGUF_AS_IS,
+    LLAMACPP,
+    TRANSFORMERS,
+    EngineConfig,
+    GenerationRequest,
+    Penalties,
+    SamplingParams,
+)
+from tritonllm.engine.llamacpp import _RowChoice
 from tritonllm.errors import ConfigError, EngineFailure, InputError
 from tritonllm.protocol import FINISH_LENGTH
 from tritonllm.repository.model_source import default_model_file, retype_gguf
@@ -55,17 +65,31 @@ def engine(manifest, gguf):
     eng.shutdown()
 
 
-def test_greedy_bias_chooses_as_the_controls_path(engine, tokenizer):
-    """A greedy request whose only control is a bias takes a numpy path; asking for log probabilities too sends the
-    same request through RowControls: the tokens agree, and the banned tokens (the plain answer's first ones,
-    each listed twice so the two halves add up) never come."""
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(), SamplingParams(True, 0.9, 0, 0.95, 11), SamplingParams(True, 1.2, 40, 1.0, 5)],
+    ids=["greedy", "nucleus", "top-k"],
+)
+def test_bias_and_sampling_choose_as_the_controls_path(engine, tokenizer, sampling):
+    """A request whose only controls are a bias and sampling takes a numpy path; asking for log probabilities too
+    sends the same request through RowControls: the tokens agree, and the banned tokens (the plain answer's first
+    ones, each listed twice so the two halves add up) never come; nor does the end id before min_tokens."""
     ids = chat_ids(tokenizer, PROMPTS[0])
     plain, _ = engine.generate(GenerationRequest(ids, 12), timeout=120)
     bias = tuple((token, -60.0) for token in plain[:3]) * 2
-    fast, _ = engine.generate(GenerationRequest(ids, 12, embedding_bias=bias), timeout=120)
-    controlled, _ = engine.generate(GenerationRequest(ids, 12, embedding_bias=bias, log_probs=0), timeout=120)
+    request = GenerationRequest(
+        ids,
+        12,
+        end_id=tokenizer.eos_token_id,
+        sampling=sampling,
+        embedding_bias=bias,
+        penalties=Penalties(min_tokens=4),
+    )
+    assert isinstance(engine._controls(request, "probe"), _RowChoice)
+    fast, _ = engine.generate(request, timeout=120)
+    controlled, _ = engine.generate(dataclasses.replace(request, log_probs=0), timeout=120)
     assert fast == controlled
-    assert not set(plain[:3]) & set(fast)
+    assert len(fast) >= 4 and not set(plain[:3]) & set(fast)
     assert fast != plain
 
 

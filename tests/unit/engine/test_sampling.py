@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer
 
-from tritonllm.engine.logits import CANDIDATES, GREEDY, WIDER_CANDIDATES, ban, draw_one, sample, step_seed, uniform
+from tritonllm.engine.logits import GREEDY, ban, sample, uniform
+from tritonllm.engine.row_draw import REACHES, draw_one, row_uniform, step_seed
 from tritonllm.engine.sampling import (
     ArgumentGroups,
     BadWords,
@@ -83,12 +84,12 @@ def test_a_draw_depends_on_its_seed_not_on_its_batch():
      (1.0, 300, 1.0), (2.0, 0, 0.95)],
 )  # fmt: skip
 def test_one_rows_draw_is_samples(temperature, top_k, top_p):
-    """draw_one, the llama.cpp rows' draw, picks what `sample` picks, in the prefix it sorts and beyond it: rows of
-    2,000 logits shaped like a model's (a few likely tokens, a long tail) and with ties at the prefix's edge."""
+    """draw_one, the llama.cpp rows' draw, picks what `sample` picks, near the row's peak and beyond it: rows of
+    2,000 logits shaped like a model's (a few likely tokens, a long tail) and with ties among the likely ones."""
     generator = torch.Generator().manual_seed(3)
     rows = [torch.randn(2000, generator=generator) * scale for scale in (1.0, 3.0, 6.0)]
     tied = torch.randn(2000, generator=generator) * 3
-    tied[tied.topk(CANDIDATES + 20).indices[CANDIDATES - 10 :]] = tied.topk(CANDIDATES).values[-1]
+    tied[tied.topk(60).indices[10:]] = tied.topk(10).values[-1]
     seeds = [step_seed(seed, 7) for seed in range(150)]
     for scores in [*rows, tied]:
         expected = sample(
@@ -98,7 +99,13 @@ def test_one_rows_draw_is_samples(temperature, top_k, top_p):
             torch.full((len(seeds),), top_p),
             torch.tensor(seeds),
         ).argmax(-1)
-        assert [draw_one(scores, temperature, top_k, top_p, seed) for seed in seeds] == expected.tolist()
+        assert [draw_one(scores.numpy(), temperature, top_k, top_p, seed) for seed in seeds] == expected.tolist()
+
+
+def test_a_rows_uniform_is_samples():
+    seeds = [step_seed(seed, 3) for seed in range(2000)] + [0, 2**31 - 1]
+    expected = uniform(torch.tensor(seeds), torch.zeros(len(seeds), 1, dtype=torch.long))[:, 0]
+    assert [float(row_uniform(seed)) for seed in seeds] == expected.tolist()
 
 
 def test_greedy_rows_are_untouched():
@@ -268,14 +275,20 @@ def test_both_buffer_sets_of_asynchronous_batching_are_keyed():
         key_graphs_by_processors(SimpleNamespace(), request_processors(max_words=2))
 
 
-@pytest.mark.parametrize(("temperature", "top_p", "scale"), [(1.0, 0.95, 3.5), (0.7, 0.9, 2.6), (1.5, 0.8, 4.0)])
-def test_a_nucleus_past_the_first_prefix_is_drawn_from_the_wider_one_as_sample_draws(temperature, top_p, scale):
-    """A broad row, as a raw prompt gives: the first CANDIDATES hold less than top_p of its mass and the wider
-    prefix more, so draw_one decides there, and still picks what `sample` picks."""
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "scale", "rung"),
+    [(1.0, 0.95, 4.0, 1), (0.7, 0.9, 2.0, 1), (1.5, 0.9, 4.0, 1), (1.5, 0.99, 2.0, 2)],
+)
+def test_a_nucleus_past_the_first_rung_is_drawn_from_a_wider_one_as_sample_draws(temperature, top_p, scale, rung):
+    """A broad row, as a raw prompt gives: the tokens within REACHES[0] of the peak hold less than top_p of its mass,
+    so draw_one decides with the second rung's, or (rung 2) the whole row, and still picks what `sample` picks."""
     generator = torch.Generator().manual_seed(5)
     scores = torch.randn(20_000, generator=generator) * scale
-    mass = (scores / temperature).softmax(-1).sort(descending=True).values.cumsum(-1)
-    assert mass[CANDIDATES - 1] < top_p and mass[WIDER_CANDIDATES - 1] >= min(top_p, 0.97)
+    scaled = scores / temperature
+    probs = scaled.softmax(-1)
+    within = [scaled >= scaled.max() - reach for reach in REACHES]
+    assert probs[within[0]].sum() < top_p
+    assert probs[within[1]].sum() >= top_p if rung == 1 else within[1].all()
     seeds = [step_seed(seed, 11) for seed in range(120)]
     expected = sample(
         scores.repeat(len(seeds), 1),
@@ -284,4 +297,4 @@ def test_a_nucleus_past_the_first_prefix_is_drawn_from_the_wider_one_as_sample_d
         torch.full((len(seeds),), top_p),
         torch.tensor(seeds),
     ).argmax(-1)
-    assert [draw_one(scores, temperature, 0, top_p, seed) for seed in seeds] == expected.tolist()
+    assert [draw_one(scores.numpy(), temperature, 0, top_p, seed) for seed in seeds] == expected.tolist()
