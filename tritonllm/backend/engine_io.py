@@ -264,9 +264,15 @@ class RowTimes:
 
 
 def perf_outputs(
-    input_tokens: int, generated: int, cached: int, arrival: float, times: RowTimes | None
+    input_tokens: int,
+    generated: int,
+    cached: int,
+    arrival: float,
+    times: RowTimes | None,
+    wanted: set[str] | None = None,
 ) -> dict[str, np.ndarray]:
-    """TensorRT-LLM's return_perf_metrics outputs (protocol.PERF_OUTPUTS) of one generation, each [1, 1].
+    """TensorRT-LLM's return_perf_metrics outputs (protocol.PERF_OUTPUTS) of one generation, each [1, 1]; only those
+    in `wanted` (the request's requested outputs) when given: a streamed response is built for every token.
 
     KV cache counts: the portable engine's blocks are one token each; a request holds its prompt's cells and one
     per generated token but the last (never fed back); `cached` of them were an earlier request's (the prefix
@@ -288,7 +294,8 @@ def perf_outputs(
         "total_accepted_draft_tokens": 0,
         "total_draft_tokens": 0,
     }
-    return {name: np.full((1, 1), values[name], dtype=PERF_DTYPES[name]) for name in PERF_OUTPUTS}
+    names = PERF_OUTPUTS if wanted is None else [name for name in PERF_OUTPUTS if name in wanted]
+    return {name: np.full((1, 1), values[name], dtype=PERF_DTYPES[name]) for name in names}
 
 
 # The numpy types of the outputs, as model_repository/_shared/tensorrt_llm_io.pbtxt declares them.

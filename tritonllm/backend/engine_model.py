@@ -315,7 +315,12 @@ class EngineModel:
         if call.perf:  # on every response, as TensorRT-LLM's executor: the counts and times so far
             outputs.update(
                 perf_outputs(
-                    len(request.input_ids), generation.generated, generation.cached, call.arrival, generation.times
+                    len(request.input_ids),
+                    generation.generated,
+                    generation.cached,
+                    call.arrival,
+                    generation.times,
+                    call.wanted,
                 )
             )
         if call.indexed[0]:

@@ -22,7 +22,7 @@ from tritonclient.utils import np_to_triton_dtype
 
 from tritonllm.errors import TritonLLMError
 from tritonllm.openai.errors import triton_error
-from tritonllm.openai.models import APIError
+from tritonllm.openai.models import USAGE_PERF_OUTPUT, APIError
 from tritonllm.protocol import PERF_OUTPUTS, infer_inputs, stop_request_tensors
 from tritonllm.text.pipeline import Parts, StreamedRequest
 
@@ -51,7 +51,7 @@ class EngineStreams:
     ) -> AsyncIterator[dict[str, np.ndarray]]:
         """The choice's responses as tensorrt_llm_bls's tensors: text deltas, then the final response's."""
         request_id = uuid.uuid4().hex
-        engine_outputs = pipeline.engine_outputs()
+        engine_outputs = [n for n in pipeline.engine_outputs() if n not in PERF_OUTPUTS or n == USAGE_PERF_OUTPUT]
         token_outputs = [name for name in engine_outputs if name not in PERF_OUTPUTS]
         wake = asyncio.Event()  # the engine answered in full, or the choice needs its `stop`
         stop = False

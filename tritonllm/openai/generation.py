@@ -23,7 +23,14 @@ from tritonllm.errors import ErrorKind
 from tritonllm.openai.engine_stream import EngineStreams
 from tritonllm.openai.errors import triton_error
 from tritonllm.openai.logprobs import TokenTexts
-from tritonllm.openai.models import FINISH_REASONS, APIError, Generation, SamplingRequest, Settings
+from tritonllm.openai.models import (
+    FINISH_REASONS,
+    USAGE_PERF_OUTPUT,
+    APIError,
+    Generation,
+    SamplingRequest,
+    Settings,
+)
 from tritonllm.openai.tools import hermes_messages, template_renders_tools
 from tritonllm.protocol import infer_inputs, request_tensors
 from tritonllm.text.pipeline import Parts, streaming_parameters
@@ -222,7 +229,7 @@ def response(result, index: int, block_tokens: int = 1) -> Generation:
         generation.finish_reason = FINISH_REASONS.get(reason.decode(), "stop")
         generation.prompt_tokens = int(output_scalar(result, "num_input_tokens", 0))
         generation.completion_tokens = int(output_scalar(result, "num_output_tokens", 0))
-        reused = int(output_scalar(result, "kv_cache_reused_blocks", 0)) * block_tokens
+        reused = int(output_scalar(result, USAGE_PERF_OUTPUT, 0)) * block_tokens
         generation.cached_tokens = min(reused, generation.prompt_tokens)
     return generation
 

@@ -66,6 +66,10 @@ OPENAI_TYPES = {
     ErrorKind.INTERNAL: "server_error",
 }
 
+# The perf metric usage reads (cached tokens), the only one the direct path asks the engine for: each is one more
+# tensor in every streamed response.
+USAGE_PERF_OUTPUT = "kv_cache_reused_blocks"
+
 
 class APIError(Exception):
     """An error in OpenAI's format, {"error": {"message", "type", "param", "code"}}, with its kind's status."""
@@ -259,7 +263,7 @@ class SamplingRequest(Body):
             "guided_decoding_guide": guide[1] if guide and guide[1] else None,
             "return_num_input_tokens": True,
             "return_num_output_tokens": True,
-            "return_perf_metrics": True,  # kv_cache_reused_blocks: usage.prompt_tokens_details.cached_tokens
+            "return_perf_metrics": True,  # USAGE_PERF_OUTPUT: usage.prompt_tokens_details.cached_tokens
             "stream": True,
         }
 

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from tritonllm.backend.engine_io import pack_outputs, sampling_params
+from tritonllm.backend.engine_io import pack_outputs, perf_outputs, sampling_params
 from tritonllm.backend.engine_io import parse_requests as parse_indexed
 from tritonllm.errors import InputError
-from tritonllm.protocol import MAX_WORD_SEQUENCES
+from tritonllm.protocol import MAX_WORD_SEQUENCES, PERF_OUTPUTS
 from tritonllm.text.wire import Limits, word_list
 
 LIMITS = Limits(max_input_len=8, max_seq_len=16, vocab_size=100)
@@ -222,3 +222,12 @@ def test_pack_outputs_with_log_probs():
 
 def test_runtime_top_p_of_zero_is_unset_as_in_tensorrt_llm():
     assert sampling_params(None, None, 0.0, None) == sampling_params(None, None, None, None)
+
+
+def test_perf_outputs_are_the_requested_ones_or_all():
+    """A streamed response carries them on every token: the engine model builds only those the request asked for."""
+    every = perf_outputs(10, 3, 4, 1.0, None)
+    assert list(every) == list(PERF_OUTPUTS)
+    asked = perf_outputs(10, 3, 4, 1.0, None, {"output_ids", "kv_cache_reused_blocks"})
+    assert list(asked) == ["kv_cache_reused_blocks"] and asked["kv_cache_reused_blocks"][0, 0] == 4
+    assert perf_outputs(10, 3, 4, 1.0, None, {"output_ids"}) == {}
