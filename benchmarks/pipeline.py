@@ -176,13 +176,14 @@ async def _closed_loop(job: dict) -> list[list[Record]]:
 
 
 def process_groups(server_pid: int, openai_pid: int | None) -> dict[str, list[int]]:
-    """tritonserver, each model's stub processes (by model name), the OpenAI layer's supervisor and each of its worker
-    processes apart (`openai-1`, ...): whether the port's connections spread over them shows in their cores."""
+    """tritonserver, each model's stub processes (by model name), the OpenAI layer's supervisor and each process it
+    started apart (`openai-1`, ...; its workers): whether the port's connections spread over them shows in
+    their cores."""
     groups: dict[str, list[int]] = {"tritonserver": [server_pid]}
     for model, pid in stub_pids():
         groups.setdefault(model, []).append(int(pid))
     if openai_pid is not None:
-        groups["openai"] = [openai_pid]
+        groups["openai-supervisor"] = [openai_pid]
         for number, pid in enumerate(children(openai_pid), 1):
             groups[f"openai-{number}"] = [pid]
     return groups

@@ -61,6 +61,8 @@ def draw_one(scores: np.ndarray, temperature: float, top_k: int, top_p: float, s
     sums to 1 within ~1e-5, which moves about 1 whole-distribution draw in 20 of the model's rows to a neighbouring
     token of nearly the same probability."""
     scaled = scores / np.float32(max(temperature, MIN_TEMPERATURE))
+    if np.isnan(scaled.max()):  # a broken row: its NaN tokens are never drawn, and no prefix comes out empty
+        scaled = np.where(np.isnan(scaled), np.float32(-np.inf), scaled)
     if 0 < top_k < scaled.size:
         return _draw_top_k(scaled, top_k, np.float32(top_p), row_uniform(seed))
     return _draw_whole(scaled, np.float32(top_p), row_uniform(seed))

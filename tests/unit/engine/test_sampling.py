@@ -3,6 +3,7 @@
 from collections import Counter
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer
@@ -100,6 +101,16 @@ def test_one_rows_draw_is_samples(temperature, top_k, top_p):
             torch.tensor(seeds),
         ).argmax(-1)
         assert [draw_one(scores.numpy(), temperature, top_k, top_p, seed) for seed in seeds] == expected.tolist()
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(1, 0.9), (5, 1.0), (0, 0.9), (0, 1.0)])
+def test_a_row_with_nan_draws_a_real_token(top_k, top_p):
+    """A NaN once made the top-k edge NaN and the prefix empty: an IndexError that failed the engine's step loop."""
+    row = torch.randn(3000, generator=torch.Generator().manual_seed(2)).numpy()
+    row[[7, 70, 700]] = np.nan
+    for seed in range(20):
+        token = draw_one(row, 1.0, top_k, top_p, seed)
+        assert 0 <= token < row.size and not np.isnan(row[token])
 
 
 def test_a_rows_uniform_is_samples():
