@@ -46,7 +46,7 @@ from tritonllm.engine.api import (
 from tritonllm.engine.checks import check_controls
 from tritonllm.engine.cpu_threads import start_yielding
 from tritonllm.engine.lifecycle import Lifecycle
-from tritonllm.engine.row_draw import draw_one, step_seed
+from tritonllm.engine.row_draw import draw_request
 from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
 
@@ -121,8 +121,7 @@ class _RowChoice:
         if len(generated) < request.penalties.min_tokens and 0 <= request.end_id < self.vocab_size:
             scores = scores.copy() if self.ids is None else scores
             scores[request.end_id] = -np.inf
-        seed = step_seed(sampling.seed, len(request.input_ids) + len(generated))
-        return draw_one(scores, sampling.temperature, min(sampling.top_k, 2**31 - 1), sampling.top_p, seed), None
+        return draw_request(scores, sampling, len(request.input_ids) + len(generated)), None
 
 
 def greedy_token(scores: np.ndarray, best: int, request: GenerationRequest, generated: list[int]) -> int:

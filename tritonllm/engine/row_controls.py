@@ -18,7 +18,7 @@ import torch
 from tritonllm.engine.api import GenerationRequest, TokenLogProbs, ends_with
 from tritonllm.engine.guided import Follower
 from tritonllm.engine.logits import penalise
-from tritonllm.engine.row_draw import draw_one, step_seed
+from tritonllm.engine.row_draw import draw_request
 from tritonllm.protocol import MAX_TOP_LOG_PROBS
 
 
@@ -91,10 +91,7 @@ class RowControls:
             scores = scores.clone() if scores.data_ptr() == row.ctypes.data else scores
             xgrammar.apply_token_bitmask_inplace(scores, self.mask)
         if request.sampling.sample:
-            sampling = request.sampling
-            seed = step_seed(sampling.seed, len(request.input_ids) + len(generated))
-            top_k = min(sampling.top_k, 2**31 - 1)
-            token = draw_one(scores[0].numpy(), sampling.temperature, top_k, sampling.top_p, seed)
+            token = draw_request(scores[0].numpy(), request.sampling, len(request.input_ids) + len(generated))
         else:
             token = int(scores.argmax(dim=-1))
         self._accept(token)

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from tritonllm.engine.api import SamplingParams
+
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
 MIN_TEMPERATURE = 1e-4  # below it, logits / temperature overflows float32; sampling is greedy there anyway
@@ -61,11 +63,19 @@ def draw_one(scores: np.ndarray, temperature: float, top_k: int, top_p: float, s
     sums to 1 within ~1e-5, which moves about 1 whole-distribution draw in 20 of the model's rows to a neighbouring
     token of nearly the same probability."""
     scaled = scores / np.float32(max(temperature, MIN_TEMPERATURE))
-    if np.isnan(scaled.max()):  # a broken row: its NaN tokens are never drawn, and no prefix comes out empty
+    peak = scaled.max()
+    if np.isnan(peak):  # a broken row: its NaN tokens are never drawn, and no prefix comes out empty
         scaled = np.where(np.isnan(scaled), np.float32(-np.inf), scaled)
+        peak = scaled.max()
     if 0 < top_k < scaled.size:
-        return _draw_top_k(scaled, top_k, np.float32(top_p), row_uniform(seed))
-    return _draw_whole(scaled, np.float32(top_p), row_uniform(seed))
+        return _draw_top_k(scaled, peak, top_k, np.float32(top_p), row_uniform(seed))
+    return _draw_whole(scaled, peak, np.float32(top_p), row_uniform(seed))
+
+
+def draw_request(scores: np.ndarray, sampling: SamplingParams, position: int) -> int:
+    """`draw_one` with a sampling request's parameters, seeded for its step at `position` (prompt + generated)."""
+    top_k = min(sampling.top_k, 2**31 - 1)
+    return draw_one(scores, sampling.temperature, top_k, sampling.top_p, step_seed(sampling.seed, position))
 
 
 def _near_peak(scaled: np.ndarray, peak: np.float32, at_least: int) -> Iterator[np.ndarray]:
@@ -84,8 +94,8 @@ def _pick(cdf: np.ndarray, probs: np.ndarray, top_p: np.float32, u: np.float32) 
     return min(int((cdf < u * cdf[last]).sum()), last)
 
 
-def _draw_top_k(scaled: np.ndarray, top_k: int, top_p: np.float32, u: np.float32) -> int:
-    candidates = next(_near_peak(scaled, scaled.max(), top_k), None)
+def _draw_top_k(scaled: np.ndarray, peak: np.float32, top_k: int, top_p: np.float32, u: np.float32) -> int:
+    candidates = next(_near_peak(scaled, peak, top_k), None)
     if candidates is None:  # a broad row: the top_k's edge, found without sorting
         candidates = np.flatnonzero(scaled >= np.partition(scaled, scaled.size - top_k)[scaled.size - top_k])
     order = np.argsort(-scaled[candidates], kind="stable")  # ties in index order, as a stable sort keeps them
@@ -96,8 +106,7 @@ def _draw_top_k(scaled: np.ndarray, top_k: int, top_p: np.float32, u: np.float32
     return int(candidates[order[_pick(cdf, probs, top_p, u)]])
 
 
-def _draw_whole(scaled: np.ndarray, top_p: np.float32, u: np.float32) -> int:
-    peak = scaled.max()
+def _draw_whole(scaled: np.ndarray, peak: np.float32, top_p: np.float32, u: np.float32) -> int:
     weights = np.exp(scaled - peak)
     total = weights.sum(dtype=np.float32)
     for ids in itertools.chain(_near_peak(scaled, peak, 1), [np.arange(scaled.size)]):
