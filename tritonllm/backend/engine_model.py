@@ -26,7 +26,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.backend.engine_io import RowTimes, exclude_input, pack_outputs, parse_requests, perf_outputs
-from tritonllm.backend.metrics import EngineMetrics, error_label
+from tritonllm.backend.metrics import EngineMetrics, Finished, error_label
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.triton_glue import (
     ENGINE_PARAMETER_INPUTS,
@@ -140,7 +140,7 @@ class EngineModel:
         log_info(f"tensorrt_llm: {what}, ready in {time.perf_counter() - started:.1f} s")
         self._live: dict[int, _Call] = {}
         self.metrics = EngineMetrics(args["model_name"], args["model_version"])
-        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # metric records, flushed by the sender thread
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # Finished or an error label, for _tick
         self._outbox: Outbox[Emission] = Outbox(
             "tensorrt_llm-sender",
             self._send,
@@ -186,7 +186,7 @@ class EngineModel:
                     any(g.sequence_index for g in generations),
                 )
             except Exception as exc:
-                self._finished.put(("error", error_label(error_kind(exc))))
+                self._finished.put(error_label(error_kind(exc)))
                 sender.send(error_response(exc), flags=FINAL)
                 continue
             self._live[id(call)] = call
@@ -222,7 +222,7 @@ class EngineModel:
         """A generation the engine did not take: those it took are cancelled, and the request ends with `exc`; the
         closed call sends nothing more (a generation taken before may have been answered already)."""
         self._close(call)
-        self._finished.put(("error", error_label(error_kind(exc))))
+        self._finished.put(error_label(error_kind(exc)))
         call.sender.send(error_response(exc), flags=FINAL)
 
     def _admit(self, rows: int) -> None:
@@ -252,7 +252,7 @@ class EngineModel:
             generation.times = RowTimes.after(generation.times, generation.submitted, emission, generation.generated)
         if emission.final:
             generation.cached = emission.cached_tokens
-            self._finished.put(("finish", emission, len(generation.request.input_ids), generation.generated))
+            self._finished.put(Finished(emission, len(generation.request.input_ids), generation.generated))
         if emission.error or generation.request.streaming or emission.final:
             self._outbox.put(generation, emission)
 
@@ -261,15 +261,11 @@ class EngineModel:
         self._update_metrics()
 
     def _update_metrics(self) -> None:
+        records = []
         while not self._finished.empty():
-            record = self._finished.get()
-            if record[0] == "error":
-                self.metrics.errors[record[1]].increment(1)
-                continue
-            _, emission, input_tokens, output_tokens = record
-            if emission.error:
-                self.metrics.errors["generation_failed"].increment(1)
-            self.metrics.finish(emission, input_tokens, output_tokens)
+            records.append(self._finished.get())
+        finished = [r for r in records if isinstance(r, Finished)]
+        self.metrics.record(finished, [r for r in records if not isinstance(r, Finished)])
         self.metrics.load(self.engine.running(), self.engine.in_batch(), self.engine.captured_graphs())
 
     def _send(self, generation: _Generation, emission: Emission) -> None:
@@ -341,6 +337,7 @@ class EngineModel:
                 self.engine.cancel(generation.engine_id)
 
     def _check_cancelled(self) -> None:
+        """On the sender's thread, so never after a call's final response (the outbox's note on tritonserver 2.51)."""
         for call in list(self._live.values()):
             if call.sender.is_cancelled():
                 self._cancel(call)

@@ -1,10 +1,15 @@
 """The engine's Prometheus metrics, on tritonserver's metrics port beside Triton's own.
 
-All carry the labels `model` and `version`. Updates are IPC calls to the server, so the engine
-model makes them from its sender thread, never from the generation loop.
+All carry the labels `model` and `version`. Each update is a round trip to the server made with the GIL held
+(the stub's `Metric.increment`, `set` and `observe`), which stops every other thread of the model's process
+meanwhile; so the engine model makes them from its sender thread's periodic tick, never from the generation
+loop, and `record` adds up each counter's requests into one increment per tick.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils
 
@@ -23,6 +28,15 @@ def error_label(kind: ErrorKind | None) -> str:
     if kind in (ErrorKind.INVALID_INPUT, ErrorKind.TOO_LARGE):
         return "invalid_input"
     return "server_busy" if kind is ErrorKind.BUSY else "generation_failed"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request the engine finished, as the metrics count it."""
+
+    emission: Emission  # its final emission: finish reason and timings
+    input_tokens: int
+    output_tokens: int
 
 
 class EngineMetrics:
@@ -72,15 +86,28 @@ class EngineMetrics:
             "tritonllm_time_per_output_token_seconds", "Mean time per generated token after the first", family.HISTOGRAM
         ).Metric(labels=labels, buckets=TPOT_BUCKETS)
 
-    def finish(self, emission: Emission, input_tokens: int, output_tokens: int) -> None:
-        self.finished.get(emission.finish_reason, self.finished["error"]).increment(1)
-        self.input_tokens.increment(input_tokens)
-        self.cached_tokens.increment(emission.cached_tokens)
-        self.output_tokens.increment(output_tokens)
-        if emission.time_to_first_token is not None:
-            self.ttft.observe(emission.time_to_first_token)
-        if emission.time_per_output_token is not None:
-            self.tpot.observe(emission.time_per_output_token)
+    def record(self, finished: list[Finished], errors: list[str]) -> None:
+        """Requests finished and requests refused or failed (by `error_label`) since the previous call: one
+        increment per counter that moved, one observation per request and histogram."""
+        counts: Counter = Counter()
+        for request in finished:
+            emission = request.emission
+            reason = emission.finish_reason if emission.finish_reason in self.finished else "error"
+            counts[self.finished[reason]] += 1
+            counts[self.input_tokens] += request.input_tokens
+            counts[self.cached_tokens] += emission.cached_tokens
+            counts[self.output_tokens] += request.output_tokens
+            if emission.error:
+                counts[self.errors["generation_failed"]] += 1
+            if emission.time_to_first_token is not None:
+                self.ttft.observe(emission.time_to_first_token)
+            if emission.time_per_output_token is not None:
+                self.tpot.observe(emission.time_per_output_token)
+        for label in errors:
+            counts[self.errors[label]] += 1
+        for metric, amount in counts.items():
+            if amount:
+                metric.increment(amount)
 
     def load(self, in_flight: int, in_batch: int, graphs: int) -> None:
         self.graphs.set(graphs)

@@ -7,7 +7,9 @@ the items one request queued since its last send. At low load every token still 
 and at once; under load one response carries the tokens that arrived while the previous ones
 were being sent, so the number of round trips stays what the server can take instead of the
 streams falling further and further behind. The same thread asks `tick` to run every `period`
-seconds (cancellation checks, gauges), so no other thread talks to the server per token.
+seconds (cancellation checks, gauges), so no other thread talks to the server per token. The cancellation
+checks must stay on the sending thread: asked whether a request was cancelled after its final response was
+sent, tritonserver 2.51 reads the freed response factory (a segfault in TRITONBACKEND_ResponseFactoryIsCancelled).
 """
 
 from __future__ import annotations

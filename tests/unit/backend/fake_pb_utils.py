@@ -85,7 +85,8 @@ def get_input_tensor_by_name(request, name: str) -> Tensor | None:
 
 
 class ResponseSender:
-    """Records each `send` as (response, flags); `cancelled` is what `is_cancelled` answers.
+    """Records each `send` as (response, flags); `cancelled` is what `is_cancelled` answers, until the final
+    response: asked after it, the real server crashes.
 
     A response carrying an output its request did not ask for is refused: the real stub drops such
     outputs without the GIL and crashes (see tritonllm.backend.triton_glue.requested_outputs)."""
@@ -103,6 +104,9 @@ class ResponseSender:
         self.sent.append((response, flags))
 
     def is_cancelled(self) -> bool:
+        # tritonserver 2.51 reads the freed response factory of a request answered in full: a segfault.
+        if self.closed:
+            raise AssertionError("is_cancelled asked after the final response")
         return self.cancelled
 
     @property
@@ -189,15 +193,18 @@ class Logger:
 
 
 class Metric:
-    """One labelled metric: `value()` is a counter's or gauge's value; a histogram's observations are in `observed`."""
+    """One labelled metric: `value()` is a counter's or gauge's value; a histogram's observations are in `observed`;
+    `increments` counts the calls to `increment` (each a round trip to the server in the real stub)."""
 
     def __init__(self, labels: dict[str, str], buckets: list[float] | None = None) -> None:
         self.labels, self.buckets = dict(labels), buckets
         self._value = 0.0
         self.observed: list[float] = []
+        self.increments = 0
 
     def increment(self, by: float) -> None:
         self._value += by
+        self.increments += 1
 
     def set(self, value: float) -> None:
         self._value = value
