@@ -266,12 +266,14 @@ class Bench:
         self.pool = concurrent.futures.ProcessPoolExecutor(args.clients, mp_context=context)
         list(self.pool.map(time.sleep, [0.0] * args.clients))  # start them before anything is measured
 
-    def run(self, target: str, concurrency: int, seconds: float, profile_dir: Path | None = None) -> Level:
+    def run(
+        self, target: str, concurrency: int, seconds: float, profile_dir: Path | None = None, gil: bool = False
+    ) -> Level:
         """One level; with `profile_dir`, py-spy records every process of the server but tritonserver (C++) for
         the level's `seconds`."""
         groups = process_groups(self.server.process.pid, self.openai.process.pid if self.openai else None)
         spied = [(f"{name}-{pid}", str(pid)) for name, pids in groups.items() if name != "tritonserver" for pid in pids]
-        with profiled(profile_dir, f"{target}-c{concurrency}", max(1, int(seconds)), spied):
+        with profiled(profile_dir, f"{target}-c{concurrency}", max(1, int(seconds)), spied, gil):
             return self._run(target, concurrency, seconds, groups)
 
     def _run(self, target: str, concurrency: int, seconds: float, groups: dict[str, list[int]]) -> Level:
@@ -491,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile-dir", type=Path, help="py-spy profiles of each stub and the OpenAI layer, per level (needs py-spy)"
     )
+    parser.add_argument(
+        "--profile-gil", action="store_true", help="with --profile-dir: only samples that hold the GIL (py-spy --gil)"
+    )
     parser.add_argument("--build-args", nargs=argparse.REMAINDER, default=[], help="more build_engines.py options")
     args = parser.parse_args(argv)
     args.build_dir = args.build_dir.resolve()
@@ -535,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                 for target in (PAIRS[name], name):
                     if (target, concurrency) in levels and target.startswith("engine"):
                         continue  # one engine baseline per kind and level, run just before its first entry point
-                    levels[target, concurrency] = level = bench.run(target, concurrency, args.seconds, args.profile_dir)
+                    level = bench.run(target, concurrency, args.seconds, args.profile_dir, args.profile_gil)
+                    levels[target, concurrency] = level
                     print(json.dumps(asdict(level)), flush=True)
     except RuntimeError as exc:  # what was measured until then is still written
         failure = exc

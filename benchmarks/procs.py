@@ -45,9 +45,10 @@ SPY_OPTIONS: list[str] = ["--nonblocking", "--rate", "200"]  # py-spy options fo
 
 
 @contextlib.contextmanager
-def profiled(out: Path | None, label: str, seconds: int, pids: list[tuple[str, str]] | None = None):
+def profiled(out: Path | None, label: str, seconds: int, pids: list[tuple[str, str]] | None = None, gil: bool = False):
     """py-spy on `pids` ((name, pid); default: the engine's and the streaming model's stubs) while the block
-    runs, and the shared libraries each process has loaded (a stub embeds its own libpython)."""
+    runs, and the shared libraries each process has loaded (a stub embeds its own libpython). With `gil`, only
+    the samples of a thread holding the GIL: their count over `seconds` x the rate is how busy the GIL was."""
     if out is None:
         yield
         return
@@ -62,7 +63,7 @@ def profiled(out: Path | None, label: str, seconds: int, pids: list[tuple[str, s
     for name, pid in pids:
         maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
         (out / f"{label}-{name}-libs.txt").write_text("\n".join(sorted({m.split()[-1] for m in maps if ".so" in m})))
-        command = ["py-spy", "record", "--format", "raw", "--threads", *SPY_OPTIONS]
+        command = ["py-spy", "record", "--format", "raw", "--threads", *SPY_OPTIONS, *(["--gil"] if gil else [])]
         command += ["--duration", str(seconds)]
         command += ["--pid", pid, "--output", str(out / f"{label}-{name}.txt")]
         spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
