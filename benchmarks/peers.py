@@ -58,6 +58,9 @@ TEXT_CHECK = 8  # prompts whose greedy answers are compared with llama-server's
 PAIRS = [("ours", "llama.cpp"), ("ours, prefix cache", "llama.cpp, prompt cache")]  # compared in the report
 # The loads: what each request adds to the greedy one (OpenAI's names, which the ensemble's inputs share).
 LOADS = {"greedy": {}, "sampled": {"temperature": 0.7, "top_p": 0.95}}
+# llama-server's defaults add top-k 40 and min-p 0.05 to a request that names neither: off, so that it draws from
+# the nucleus the sampled load asks for, as the other servers do (greedy requests are unchanged).
+LLAMA_SERVER_AS_ASKED = {"top_k": 0, "min_p": 0.0}
 
 
 def llama_cpp_pin() -> str:
@@ -600,15 +603,17 @@ def contenders(args) -> tuple[list[Contender], dict[str, str]]:
         except (RuntimeError, subprocess.CalledProcessError, StopIteration) as exc:
             problems["llama.cpp"] = f"install failed: {exc} (see {out / 'llama.cpp-install.log'})"
         else:
-            runs = [("llama.cpp", p, gguf, {"cache_prompt": False}) for p, gguf in ggufs.items() if p in builds]
+            uncached = {"cache_prompt": False, **LLAMA_SERVER_AS_ASKED}
+            runs = [("llama.cpp", p, gguf, uncached) for p, gguf in ggufs.items() if p in builds]
             if F32 in builds:
-                runs.append(("llama.cpp, prompt cache", F32, ggufs[F32], {}))
+                runs.append(("llama.cpp, prompt cache", F32, ggufs[F32], LLAMA_SERVER_AS_ASKED))
             for server, precision, gguf, body in runs:
 
                 def start(gguf=gguf, precision=precision, body=body) -> Running:
                     port = free_port()
                     command = llama_server_command(binary, gguf, port, top, cache_tokens)
-                    log = out / f"llama-server-{precision[:4]}{'-cached' if not body else ''}.log"
+                    cached = body.get("cache_prompt", True)
+                    log = out / f"llama-server-{precision[:4]}{'-cached' if cached else ''}.log"
                     return start_command(command, port, "/health", log, body=body)
 
                 found.append(Contender(server, precision, start))
