@@ -264,8 +264,7 @@ class EngineModel:
         records = []
         while not self._finished.empty():
             records.append(self._finished.get())
-        finished = [r for r in records if isinstance(r, Finished)]
-        self.metrics.record(finished, [r for r in records if not isinstance(r, Finished)])
+        self.metrics.record(records)
         self.metrics.load(self.engine.running(), self.engine.in_batch(), self.engine.captured_graphs())
 
     def _send(self, generation: _Generation, emission: Emission) -> None:

@@ -86,11 +86,14 @@ class EngineMetrics:
             "tritonllm_time_per_output_token_seconds", "Mean time per generated token after the first", family.HISTOGRAM
         ).Metric(labels=labels, buckets=TPOT_BUCKETS)
 
-    def record(self, finished: list[Finished], errors: list[str]) -> None:
-        """Requests finished and requests refused or failed (by `error_label`) since the previous call: one
+    def record(self, records: list[Finished | str]) -> None:
+        """Requests finished, and requests refused or failed (their `error_label`), since the previous call: one
         increment per counter that moved, one observation per request and histogram."""
         counts: Counter = Counter()
-        for request in finished:
+        for request in records:
+            if isinstance(request, str):
+                counts[self.errors[request]] += 1
+                continue
             emission = request.emission
             reason = emission.finish_reason if emission.finish_reason in self.finished else "error"
             counts[self.finished[reason]] += 1
@@ -103,8 +106,6 @@ class EngineMetrics:
                 self.ttft.observe(emission.time_to_first_token)
             if emission.time_per_output_token is not None:
                 self.tpot.observe(emission.time_per_output_token)
-        for label in errors:
-            counts[self.errors[label]] += 1
         for metric, amount in counts.items():
             if amount:
                 metric.increment(amount)

@@ -26,7 +26,7 @@ def test_a_flush_increments_each_counter_once_and_observes_each_request(metrics)
         Finished(Emission([3], "stop", time_to_first_token=0.2, cached_tokens=0), 5, 1),
         Finished(Emission([], "error", "engine failed"), 3, 0),
     ]
-    metrics.record(finished, ["invalid_input", "invalid_input", "server_busy"])
+    metrics.record([*finished, "invalid_input", "invalid_input", "server_busy"])
 
     assert metrics.input_tokens.value() == 16 and metrics.input_tokens.increments == 1
     assert metrics.output_tokens.value() == 3 and metrics.output_tokens.increments == 1
@@ -43,6 +43,6 @@ def test_a_flush_increments_each_counter_once_and_observes_each_request(metrics)
 
 
 def test_a_flush_with_nothing_to_count_makes_no_round_trip(metrics):
-    metrics.record([], [])
+    metrics.record([])
     counters = [metrics.input_tokens, metrics.output_tokens, metrics.cached_tokens, *metrics.finished.values()]
     assert sum(m.increments for m in counters) == 0
