@@ -158,7 +158,9 @@ def penalties(arrays: dict[str, np.ndarray], row: int) -> Penalties:
         return given
     temperature = scalar(arrays, "temperature", row)  # checked with the sampling parameters
     scale = 1.0 if temperature is None else float(temperature)
-    return dataclasses.replace(given, presence=scale * given.presence, frequency=scale * given.frequency)
+    return dataclasses.replace(
+        given, presence=scale * given.presence, frequency=scale * given.frequency, temperature_scale=scale
+    )
 
 
 def _embedding_bias(arrays: dict[str, np.ndarray], row: int, limits: Limits) -> tuple[tuple[int, float], ...]:

@@ -49,6 +49,7 @@ from tritonllm.engine.api import (
     EngineConfig,
     GenerationRequest,
 )
+from tritonllm.engine.llmapi_config import LLM_API_CONFIG_FILE
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, InputError, ServerBusy
@@ -103,6 +104,12 @@ def load_engine(folder: Path, device: str) -> tuple[BlockingGenerate, str]:
     if synthetic.is_file():  # a benchmark instrument (build_engines.py --engine synthetic)
         config = SyntheticConfig(**json.loads(synthetic.read_text()))
         return SyntheticEngine(config), f"synthetic benchmark engine, {config.step_ms} ms per step"
+    llm_api = folder / LLM_API_CONFIG_FILE
+    if llm_api.is_file():  # build_engines.py --engine trtllm-llmapi: TensorRT-LLM's LLM API, in NVIDIA's image
+        from tritonllm.engine.llmapi import LlmApiEngine
+
+        engine = LlmApiEngine(json.loads(llm_api.read_text()))
+        return engine, f"TensorRT-LLM {engine.api.version} LLM API engine"
     engine_config = EngineConfig(**json.loads((folder / ENGINE_CONFIG_FILE).read_text()))
     if device != "cpu":
         engine_config = dataclasses.replace(engine_config, device=device)  # the GPU of this instance

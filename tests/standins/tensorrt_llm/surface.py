@@ -1,0 +1,74 @@
+"""The parts of TensorRT-LLM 1.2.1's LLM API the project uses, as read in NVIDIA's sources.
+
+No stored copy of the 1.2.1 tree could be read (its repository is too large to fetch here, and its wheel is served
+only from NVIDIA's own index). The names below come from the nearest copies, and each one is in both an older and a
+newer copy unless said otherwise:
+- S: tensorrt_llm/sampling_params.py @ b35ac1b64368513d215c57d2ed01d62d910df8da (version.py: 1.2.0rc2), line numbers;
+- A: tensorrt_llm/llmapi/llm_args.py, a late-2025 copy (TorchLlmArgs, KvCacheConfig, CudaGraphConfig: pydantic models
+  with extra="forbid"; LLM(**kwargs) refuses any other name with "LLM got invalid argument");
+- L: tensorrt_llm/llmapi/llm.py @ 4c05a74891e4df8066f08ed4ce14b0972abe4e25 (~1.1) and a 1.3/1.4 copy: generate_async;
+- R: tensorrt_llm/executor/result.py @ a678b91aafbeff265cd0b764abb59d7def624ac2 (~1.1) and a 2026 copy: results.
+"""
+
+# S:204-273, `@dataclass(slots=True, kw_only=True) class SamplingParams` (S:112-113), in order.
+SAMPLING_PARAMS_FIELDS = (
+    "end_id", "pad_id", "max_tokens", "bad", "bad_token_ids", "stop", "stop_token_ids", "include_stop_str_in_output",
+    "embedding_bias", "logits_processor", "apply_batched_logits_processor", "n", "best_of", "use_beam_search",
+    "top_k", "top_p", "top_p_min", "top_p_reset_ids", "top_p_decay", "seed", "temperature", "min_tokens",
+    "beam_search_diversity_rate", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "prompt_ignore_length",  # new in 1.2 (TensorRT-LLM PR #8127): in S, not in the ~1.1 copies
+    "length_penalty", "early_stopping", "no_repeat_ngram_size", "min_p", "beam_width_array", "logprobs",
+    "prompt_logprobs", "return_context_logits", "return_generation_logits", "exclude_input_from_output",
+    "return_encoder_output", "return_perf_metrics", "additional_model_outputs", "lookahead_config", "guided_decoding",
+    "ignore_eos", "detokenize", "add_special_tokens", "truncate_prompt_tokens", "skip_special_tokens",
+    "spaces_between_special_tokens",
+)  # fmt: skip
+# S:14-30, `@dataclass(slots=True, kw_only=True) class GuidedDecodingParams`; S:32-37: one guide per request.
+GUIDED_DECODING_FIELDS = ("json", "regex", "grammar", "json_object", "structural_tag")
+# S:49-66: `class LogitsProcessor(ABC)`, abstract `__call__(self, req_id, logits, token_ids, stream_ptr, client_id)`.
+LOGITS_PROCESSOR_CALL = ("req_id", "logits", "token_ids", "stream_ptr", "client_id")
+# L: `generate_async(self, inputs, sampling_params=None, lora_request=None, prompt_adapter_request=None,
+# streaming=False, kv_cache_retention_config=None, disaggregated_params=None, _postproc_params=None,
+# scheduling_params=None, cache_salt=None)`; the 1.3/1.4 copy adds trace_headers, conversation_params and priority.
+GENERATE_ASYNC_PARAMETERS = (
+    "inputs", "sampling_params", "lora_request", "prompt_adapter_request", "streaming", "kv_cache_retention_config",
+    "disaggregated_params", "_postproc_params", "scheduling_params", "cache_salt",
+)  # fmt: skip
+# A: BaseLlmArgs and TorchLlmArgs fields, what LLM(**kwargs) takes (with `backend`, popped by _TorchLLM).
+LLM_ARGS = (
+    "model", "tokenizer", "tokenizer_mode", "skip_tokenizer_init", "trust_remote_code", "tensor_parallel_size",
+    "dtype", "revision", "tokenizer_revision", "pipeline_parallel_size", "context_parallel_size", "gpus_per_node",
+    "moe_cluster_parallel_size", "moe_tensor_parallel_size", "moe_expert_parallel_size", "enable_attention_dp",
+    "enable_lora", "lora_config", "kv_cache_config", "enable_chunked_prefill", "guided_decoding_backend",
+    "batched_logits_processor", "iter_stats_max_iterations", "request_stats_max_iterations", "peft_cache_config",
+    "scheduler_config", "cache_transceiver_config", "speculative_config", "max_batch_size", "max_input_len",
+    "max_seq_len", "max_beam_width", "max_num_tokens", "gather_generation_logits", "num_postprocess_workers",
+    "postprocess_tokenizer_dir", "reasoning_parser", "backend", "return_perf_metrics", "orchestrator_type",
+    "garbage_collection_gen0_threshold", "cuda_graph_config", "attention_dp_config", "disable_overlap_scheduler",
+    "moe_config", "attn_backend", "sampler_type", "enable_iter_perf_stats", "enable_iter_req_stats",
+    "print_iter_log", "perf_metrics_max_requests", "batch_wait_timeout_ms", "batch_wait_timeout_iters",
+    "batch_wait_max_tokens_ratio", "torch_compile_config", "enable_autotuner", "load_format", "enable_min_latency",
+    "stream_interval", "force_dynamic_quantization", "allreduce_strategy", "checkpoint_loader", "checkpoint_format",
+    "kv_connector_config", "mm_encoder_only", "ray_worker_extension_cls",
+)  # fmt: skip
+# A: KvCacheConfig (free_gpu_memory_fraction 0.9 by default, 0 <= v <= 1; tokens_per_block 32).
+KV_CACHE_CONFIG_FIELDS = (
+    "enable_block_reuse", "max_tokens", "max_attention_window", "sink_token_length", "free_gpu_memory_fraction",
+    "host_cache_size", "onboard_blocks", "cross_kv_cache_fraction", "secondary_offload_min_priority",
+    "event_buffer_max_size", "attention_dp_events_gather_period_ms", "enable_partial_reuse", "copy_on_partial_reuse",
+    "use_uvm", "max_gpu_total_bytes", "dtype", "mamba_ssm_cache_dtype", "tokens_per_block",
+)  # fmt: skip
+# A: CudaGraphConfig; TorchLlmArgs.cuda_graph_config defaults to CudaGraphConfig() (on), None turns graphs off.
+CUDA_GRAPH_CONFIG_FIELDS = ("batch_sizes", "max_batch_size", "enable_padding")
+GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")
+# R: CompletionOutput's fields, and its properties token_ids_diff / logprobs_diff (the step's new part) and length.
+COMPLETION_OUTPUT_FIELDS = (
+    "index", "text", "token_ids", "cumulative_logprob", "logprobs", "prompt_logprobs", "finish_reason",
+    "stop_reason", "generation_logits", "additional_context_outputs", "additional_generation_outputs",
+    "disaggregated_params", "request_perf_metrics",
+)  # fmt: skip
+COMPLETION_OUTPUT_PROPERTIES = ("length", "text_diff", "token_ids_diff", "logprobs_diff")
+FINISH_REASONS = ("stop", "length", "timeout", "cancelled")  # R: CompletionOutput.finish_reason's Literal
+# R: `@dataclass(slots=True) class Logprob: logprob: float; rank: Optional[int] = None`;
+# TokenLogprobs = list[dict[int, Logprob]]. RequestPerfMetrics (bindings): kv_cache_metrics.num_reused_blocks.
+LOGPROB_FIELDS = ("logprob", "rank")

@@ -1,0 +1,260 @@
+"""The LLM API flavor's engine (tritonllm/engine/llmapi.py) over the stand-in of TensorRT-LLM 1.2.1's LLM API
+(tests/standins/tensorrt_llm), which checks every name the engine passes against the release's and runs the
+requests on the built model through llama.cpp."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.conftest import BUILD, ROOT
+from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
+from tritonllm.engine.llmapi_config import LlmApiConfig
+from tritonllm.engine.llmapi_params import TokenRules, guided_decoding_kwargs, sampling_kwargs, token_rules
+from tritonllm.errors import InputError
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+
+STANDINS = ROOT / "tests" / "standins"
+ENGINE_FOLDER = BUILD / "model_repository" / "tensorrt_llm_decoupled" / "1"  # the default build's engine.json
+
+
+@pytest.fixture(scope="module")
+def standin():
+    """`import tensorrt_llm` finds the stand-in for this module's tests, and nothing after them."""
+    if not (ENGINE_FOLDER / "engine.json").is_file():
+        pytest.fail(f"needs the default build's {ENGINE_FOLDER}/engine.json (run `make build`)")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(STANDINS))
+        patch.setenv("TRITONLLM_STANDIN_ENGINE", str(ENGINE_FOLDER))
+        import tensorrt_llm
+
+        yield tensorrt_llm
+    for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def engine(standin, manifest):
+    from tritonllm.engine.llmapi import LlmApiEngine
+
+    eng = LlmApiEngine(LlmApiConfig(manifest["model_dir"], max_batch_size=8).llm_kwargs())
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer) -> list[int]:
+    messages = [{"role": "user", "content": "Tell me about the city of Paris."}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+# ------------------------------------------------------------------ the stand-in is the recorded release surface
+
+
+def test_the_standin_has_the_recorded_names(standin):
+    from tensorrt_llm import surface
+    from tensorrt_llm.llm import LLM, CompletionOutput, Logprob
+    from tensorrt_llm.sampling_params import GuidedDecodingParams, LogitsProcessor
+
+    assert tuple(f.name for f in dataclasses.fields(standin.SamplingParams)) == surface.SAMPLING_PARAMS_FIELDS
+    assert tuple(f.name for f in dataclasses.fields(GuidedDecodingParams)) == surface.GUIDED_DECODING_FIELDS
+    assert tuple(inspect.signature(LogitsProcessor.__call__).parameters)[1:] == surface.LOGITS_PROCESSOR_CALL
+    assert tuple(inspect.signature(LLM.generate_async).parameters)[1:] == surface.GENERATE_ASYNC_PARAMETERS
+    public = tuple(f.name for f in dataclasses.fields(CompletionOutput) if not f.name.startswith("_"))
+    assert public == surface.COMPLETION_OUTPUT_FIELDS
+    assert all(isinstance(getattr(CompletionOutput, p), property) for p in surface.COMPLETION_OUTPUT_PROPERTIES)
+    assert tuple(f.name for f in dataclasses.fields(Logprob)) == surface.LOGPROB_FIELDS
+    with pytest.raises(TypeError):
+        standin.SamplingParams(max_new_tokens=4)  # keyword-only, and only its own names
+
+
+# ------------------------------------------------------------------ what the engine asks of the LLM API
+
+
+def test_the_build_arguments_are_llm_arguments(standin, manifest):
+    kwargs = LlmApiConfig(manifest["model_dir"], llm_api_cuda_graphs=False, kv_cache_reuse=False).llm_kwargs()
+    assert kwargs["cuda_graph_config"] is None and kwargs["kv_cache_config"]["enable_block_reuse"] is False
+    llm = standin.LLM(**kwargs)  # refuses any name TorchLlmArgs, KvCacheConfig or CudaGraphConfig lacks
+    llm.shutdown()
+    with pytest.raises(ValueError, match="LLM got invalid argument: max_tokens_in_paged_kv_cache"):
+        standin.LLM(**kwargs, max_tokens_in_paged_kv_cache=1)
+    graphs = LlmApiConfig(manifest["model_dir"], max_batch_size=24).llm_kwargs()["cuda_graph_config"]
+    assert graphs == {"max_batch_size": 24, "enable_padding": True}
+
+
+def every_control(**changes) -> GenerationRequest:
+    request = GenerationRequest(
+        [1, 2, 3, 4],
+        9,
+        end_id=2,
+        sampling=SamplingParams(sample=True, temperature=0.5, top_k=40, top_p=0.9, seed=7),
+        stop_words=((5, 6),),
+        bad_words=((8,), (9, 10)),
+        streaming=True,
+        penalties=Penalties(1.2, 0.5, 0.25, 3, count_prompt=True, temperature_scale=0.5),
+        embedding_bias=((11, -2.0),),
+        log_probs=3,
+        guide=Guide("regex", "(yes|no)"),
+    )
+    return dataclasses.replace(request, **changes)
+
+
+def test_every_control_maps_to_a_sampling_params_field(standin):
+    request = every_control()
+    kwargs = sampling_kwargs(request)
+    assert kwargs == {
+        "max_tokens": 9,
+        "detokenize": False,
+        "exclude_input_from_output": True,
+        "end_id": 2,
+        "temperature": 0.5,
+        "seed": 7,
+        "top_k": 40,
+        "top_p": 0.9,
+        "min_tokens": 3,
+        "repetition_penalty": 1.2,
+        # TensorRT-LLM's rule, as the client sent it: the engine model's scaling by the temperature divided out.
+        "presence_penalty": 1.0,
+        "frequency_penalty": 0.5,
+        "logprobs": 3,
+    }
+    rules = token_rules(request, TokenRules)
+    params = standin.SamplingParams(
+        **kwargs,
+        guided_decoding=standin.sampling_params.GuidedDecodingParams(**guided_decoding_kwargs(request.guide)),
+    )
+    assert params.pad_id == 2 and rules.bad_words == ((8,), (9, 10)) and rules.bias_ids == [11]
+    assert token_rules(every_control(bad_words=(), embedding_bias=()), TokenRules) is None
+
+
+def test_greedy_requests_leave_the_draw_unset_and_no_end_id_ignores_eos(standin):
+    kwargs = sampling_kwargs(GenerationRequest([1, 2], 4))
+    assert not {"temperature", "top_k", "top_p", "seed", "end_id"} & set(kwargs)
+    assert kwargs["ignore_eos"] is True and kwargs["min_tokens"] == 0
+    standin.SamplingParams(**kwargs)
+
+
+def test_openai_penalties_count_the_generated_tokens_before_the_temperature():
+    penalties = Penalties(presence=0.6, frequency=0.3, count_prompt=False)
+    kwargs = sampling_kwargs(every_control(penalties=penalties))
+    assert kwargs["prompt_ignore_length"] == 4  # the prompt's tokens left out of the counts
+    assert kwargs["presence_penalty"] == pytest.approx(1.2) and kwargs["frequency_penalty"] == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize(
+    ("guide", "expected"),
+    [
+        (Guide("json"), {"json_object": True}),
+        (Guide("json_schema", '{"type": "object"}'), {"json": '{"type": "object"}'}),
+        (Guide("regex", "a+"), {"regex": "a+"}),
+        (Guide("ebnf_grammar", 'root ::= "a"'), {"grammar": 'root ::= "a"'}),
+    ],
+)
+def test_guides_map_to_guided_decoding_params(standin, guide, expected):
+    assert guided_decoding_kwargs(guide) == expected
+    standin.sampling_params.GuidedDecodingParams(**expected)
+
+
+def test_token_rules_bias_tokens_and_ban_a_words_last_token_after_its_beginning():
+    rules = TokenRules(((7,), (3, 4, 5)), ((1, 2.5), (2, float("-inf"))))
+    logits = torch.zeros(1, 8)
+    rules(0, logits, [[9, 3, 4]], None, None)
+    assert logits[0].tolist() == [0.0, 2.5, float("-inf"), 0.0, 0.0, float("-inf"), 0.0, float("-inf")]
+    logits = torch.zeros(1, 8)
+    rules(0, logits, [[9, 3, 3]], None, None)  # (3, 4, 5) has not begun: 5 stays
+    assert logits[0, 5] == 0.0 and logits[0, 7] == float("-inf")
+
+
+# ------------------------------------------------------------------ the engine over the stand-in
+
+
+def collect(engine, request: GenerationRequest, timeout: float = 120) -> list[Emission]:
+    done, emissions = threading.Event(), []
+
+    def emit(emission: Emission) -> None:
+        emissions.append(emission)
+        if emission.final:
+            done.set()
+
+    engine.submit(request, emit)
+    assert done.wait(timeout), "no final emission"
+    return emissions
+
+
+def test_streamed_and_whole_answers_carry_the_same_tokens(engine, prompt, tokenizer):
+    whole = collect(engine, GenerationRequest(prompt, 24, end_id=tokenizer.eos_token_id))
+    streamed = collect(engine, GenerationRequest(prompt, 24, end_id=tokenizer.eos_token_id, streaming=True))
+    assert len(whole) == 1 and len(streamed) > 2
+    assert [t for e in streamed for t in e.token_ids] == whole[0].token_ids
+    assert whole[0].finish_reason == streamed[-1].finish_reason == FINISH_LENGTH
+    assert whole[0].time_to_first_token is not None
+
+
+def test_a_stop_word_ends_the_request_and_aborts_it_in_the_llm(engine, prompt, tokenizer):
+    (whole,) = collect(engine, GenerationRequest(prompt, 24, end_id=tokenizer.eos_token_id))
+    word = tuple(whole.token_ids[5:7])
+    request = GenerationRequest(prompt, 24, end_id=tokenizer.eos_token_id, stop_words=(word,))
+    (stopped,) = collect(engine, request)
+    assert stopped.finish_reason == FINISH_STOP and stopped.token_ids == whole.token_ids[:7]
+    deadline = time.monotonic() + 10
+    while engine.llm._engine.running() and time.monotonic() < deadline:  # the LLM's request is aborted
+        time.sleep(0.05)
+    assert engine.llm._engine.running() == 0 and engine.running() == 0
+
+
+def test_the_end_id_ends_a_request_with_eos(engine, tokenizer):
+    messages = [{"role": "user", "content": "Say yes."}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    emissions = collect(engine, GenerationRequest(ids, 200, end_id=tokenizer.eos_token_id, streaming=True))
+    assert emissions[-1].finish_reason == FINISH_EOS
+    assert tokenizer.eos_token_id not in [t for e in emissions for t in e.token_ids]
+
+
+def test_cancel_ends_a_request_as_cancelled(engine, prompt):
+    first, done, emissions = threading.Event(), threading.Event(), []
+
+    def emit(emission: Emission) -> None:
+        emissions.append(emission)
+        first.set()
+        if emission.final:
+            done.set()
+
+    engine_id = engine.submit(GenerationRequest(prompt, 400, streaming=True), emit)
+    assert first.wait(60)
+    engine.cancel(engine_id)
+    assert done.wait(60)
+    assert emissions[-1].finish_reason == FINISH_CANCELLED and sum(len(e.token_ids) for e in emissions) < 400
+
+
+def test_log_probs_come_with_every_token(engine, prompt, tokenizer):
+    emissions = collect(engine, GenerationRequest(prompt, 8, end_id=tokenizer.eos_token_id, log_probs=2))
+    (whole,) = emissions
+    assert len(whole.log_probs) == len(whole.token_ids) == 8
+    for token, chosen in zip(whole.token_ids, whole.log_probs, strict=True):
+        assert len(chosen.top) == 2 and chosen.top[0] == (token, chosen.log_prob)  # greedy: the most likely
+    (only,) = collect(engine, GenerationRequest(prompt, 4, log_probs=0))
+    assert all(p.top == () for p in only.log_probs) and len(only.log_probs) == 4
+
+
+def test_a_guide_is_honoured_and_a_bad_one_refused_at_submission(engine, tokenizer):
+    messages = [{"role": "user", "content": "Is Paris in France?"}]
+    ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    request = GenerationRequest(ids, 8, end_id=tokenizer.eos_token_id, guide=Guide("regex", "(yes|no)"))
+    (answer,) = collect(engine, request)
+    assert tokenizer.decode(answer.token_ids) in ("yes", "no")
+    with pytest.raises(InputError, match="guided_decoding_guide"):
+        engine.submit(GenerationRequest(ids, 8, guide=Guide("regex", "(unclosed")), lambda e: None)
+
+
+def test_a_request_the_llm_fails_ends_alone_with_its_error(engine, prompt):
+    # The stand-in's llama.cpp model takes no logits processor: the LLM refuses the request, the engine goes on.
+    (failed,) = collect(engine, GenerationRequest(prompt, 4, bad_words=((5,),)))
+    assert failed.finish_reason == FINISH_ERROR and "logits_processor" in failed.error
+    (after,) = collect(engine, GenerationRequest(prompt, 4))
+    assert after.finish_reason == FINISH_LENGTH and engine.alive()

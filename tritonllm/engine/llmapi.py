@@ -1,0 +1,197 @@
+"""TensorRT-LLM's LLM API (PyTorch backend) as an engine of the engine model: `tensorrt_llm.LLM` behind the interface
+every engine has (submit, cancel, running, alive, shutdown), so that the same `tensorrt_llm` model, ensemble,
+`tensorrt_llm_bls` and OpenAI layer serve it with every control they take.
+
+The LLM is made from the arguments the build wrote (tritonllm/engine/llmapi_config.py). Its results are asyncio
+iterators, so one event loop thread calls `generate_async` (the async queue of a result exists only when a loop runs
+where it is made) and reads every request's steps. A request's tokens go through tritonllm/engine/lifecycle.py, as
+in the other engines: stop words, max tokens and the end id end it there, and its emissions and timings are made
+there. Names are those of release 1.2.1 (tensorrt_llm/llmapi/llm.py, executor/result.py, sampling_params.py); only
+`LlmApi.load` imports tensorrt_llm, so the CPU tests drive this class with a stand-in (tests/unit/engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import itertools
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, TokenLogProbs, check_request
+from tritonllm.engine.grammar_check import check_guide
+from tritonllm.engine.lifecycle import Lifecycle
+from tritonllm.engine.llmapi_config import TOKENS_PER_BLOCK
+from tritonllm.engine.llmapi_params import TokenRules, guided_decoding_kwargs, sampling_kwargs, token_rules
+from tritonllm.errors import ConfigError
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH
+
+# CompletionOutput.finish_reason (executor/result.py) -> ours. "stop" is the end id: stop words are never handed
+# to the LLM API (tritonllm/engine/llmapi_params.py), so none of its stops is one.
+FINISH_REASONS = {"stop": FINISH_EOS, "length": FINISH_LENGTH, "cancelled": FINISH_CANCELLED, "timeout": FINISH_ERROR}
+
+
+@dataclass
+class LlmApi:
+    """The parts of `tensorrt_llm` the engine uses (1.2.1 module paths in comments)."""
+
+    version: str
+    LLM: Any  # tensorrt_llm.LLM (tensorrt_llm/llmapi/llm.py), the PyTorch backend's
+    SamplingParams: Any  # tensorrt_llm.SamplingParams (tensorrt_llm/sampling_params.py)
+    GuidedDecodingParams: Any  # tensorrt_llm.sampling_params.GuidedDecodingParams
+    LogitsProcessor: Any  # tensorrt_llm.sampling_params.LogitsProcessor, an abstract base with __call__
+
+    @classmethod
+    def load(cls) -> LlmApi:
+        try:
+            trt = importlib.import_module("tensorrt_llm")
+        except ImportError as exc:
+            raise ConfigError(
+                "tensorrt_llm cannot be imported here: the trtllm-llmapi flavor runs in NVIDIA's TensorRT-LLM image "
+                "(`make serve ENGINE=trtllm-llmapi`)"
+            ) from exc
+        params = importlib.import_module("tensorrt_llm.sampling_params")
+        return cls(trt.__version__, trt.LLM, trt.SamplingParams, params.GuidedDecodingParams, params.LogitsProcessor)
+
+
+@dataclass(eq=False)
+class _Request:
+    life: Lifecycle
+    result: Any = None  # the LLM's RequestOutput, once submitted
+    cancelled: bool = False
+
+
+class LlmApiEngine(BlockingGenerate):
+    def __init__(self, llm_kwargs: dict, api: LlmApi | None = None) -> None:
+        self.api = api or LlmApi.load()
+        self.max_batch_size = int(llm_kwargs.get("max_batch_size") or 1)
+        tokens_per_block = (llm_kwargs.get("kv_cache_config") or {}).get("tokens_per_block")
+        self.tokens_per_block = int(tokens_per_block or TOKENS_PER_BLOCK)
+        self.llm = self.api.LLM(**llm_kwargs)  # loads the checkpoint; with tp/pp > 1, reaches every rank
+        # The release's LogitsProcessor is an abstract base: TokenRules is registered under it.
+        self._rules_class = type("TokenRules", (TokenRules, self.api.LogitsProcessor), {})
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tensorrt_llm-llmapi", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    # ---------------------------------------------------------------- the engine interface
+
+    def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        check_request(request)
+        if request.guide is not None:  # compiled in TensorRT-LLM's batch step, where a bad one fails late
+            check_guide(request.guide.type, request.guide.text)
+        params = self._sampling_params(request)
+        engine_id = str(next(self._ids))
+        entry = _Request(Lifecycle(request=request, emit=emit))
+        self._requests[engine_id] = entry
+        asyncio.run_coroutine_threadsafe(self._run(engine_id, entry, params), self._loop)
+        return engine_id
+
+    def cancel(self, engine_id: str) -> None:
+        entry = self._requests.get(engine_id)
+        if entry is not None:
+            self._loop.call_soon_threadsafe(self._abort, entry)
+
+    def running(self) -> int:
+        return len(self._requests)
+
+    def in_batch(self) -> int:
+        """An estimate: the LLM API does not say which requests its scheduler holds; those beyond its batch wait."""
+        return min(len(self._requests), self.max_batch_size)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._closed
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for entry in list(self._requests.values()):
+            self._loop.call_soon_threadsafe(self._abort, entry)
+        self.llm.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
+    def _sampling_params(self, request: GenerationRequest):
+        kwargs = sampling_kwargs(request)
+        if request.guide is not None:
+            kwargs["guided_decoding"] = self.api.GuidedDecodingParams(**guided_decoding_kwargs(request.guide))
+        rules = token_rules(request, self._rules_class)
+        if rules is not None:
+            kwargs["logits_processor"] = rules
+        return self.api.SamplingParams(**kwargs)
+
+    # ---------------------------------------------------------------- on the event loop's thread
+
+    def _abort(self, entry: _Request) -> None:
+        entry.cancelled = True
+        if entry.result is not None and not entry.life.done:
+            entry.result.abort()
+
+    async def _run(self, engine_id: str, entry: _Request, params) -> None:
+        life = entry.life
+        try:
+            if entry.cancelled:  # before it reached the LLM
+                life.finish(FINISH_CANCELLED)
+                return
+            # Streamed from the LLM whenever tokens are checked as they come: stop words, or a streaming client.
+            streaming = life.request.streaming or bool(life.request.stop_words)
+            entry.result = self.llm.generate_async(
+                {"prompt_token_ids": life.request.input_ids}, sampling_params=params, streaming=streaming
+            )
+            async for output in entry.result:
+                if self._step(entry, output):
+                    return
+        except Exception as exc:  # this request fails alone
+            if entry.result is not None and not entry.result.finished:
+                entry.result.abort()
+            life.finish(FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self._requests.pop(engine_id, None)
+
+    def _step(self, entry: _Request, output) -> bool:
+        """One step's result: its new tokens through the lifecycle, and the end when there is one. True when done."""
+        life = entry.life
+        completion = output.outputs[0]
+        new_tokens = completion.token_ids_diff
+        wanted = life.request.log_probs >= 0
+        log_probs = completion.logprobs_diff if wanted else None
+        for position, token in enumerate(new_tokens):
+            chosen = token_log_probs(token, log_probs[position], life.request.log_probs) if wanted else None
+            reason = life.take(token, chosen)
+            if reason is not None:
+                if not output.finished:
+                    entry.result.abort()  # a stop word or max tokens: the LLM API would go on
+                self._finish(life, reason, completion)
+                return True
+        if output.finished:
+            reason = FINISH_REASONS.get(completion.finish_reason, FINISH_ERROR)
+            error = None if reason != FINISH_ERROR else f"TensorRT-LLM finished it: {completion.finish_reason}"
+            self._finish(life, reason, completion, error)
+            return True
+        life.emit_new()
+        return False
+
+    def _finish(self, life: Lifecycle, reason: str, completion, error: str | None = None) -> None:
+        """The final emission, with the KV cache blocks an earlier request left, from the request's perf metrics."""
+        metrics = completion.request_perf_metrics
+        if metrics is not None:
+            life.cached = metrics.kv_cache_metrics.num_reused_blocks * self.tokens_per_block
+        life.finish(reason, error)
+
+
+def token_log_probs(token: int, position: dict, wanted: int) -> TokenLogProbs:
+    """The chosen token's log probability and, when asked, the `wanted` most likely tokens', from the LLM API's
+    {token: Logprob(logprob, rank)} of one position (the k most likely, and the chosen one beyond them)."""
+    chosen = position.get(token)
+    if chosen is None:
+        raise RuntimeError(f"TensorRT-LLM returned no log probability for the chosen token {token}")
+    ranked = sorted(position.items(), key=lambda item: math.inf if item[1].rank is None else item[1].rank)
+    top = tuple((t, p.logprob) for t, p in ranked[:wanted]) if wanted > 0 else ()
+    return TokenLogProbs(chosen.logprob, top)
