@@ -55,15 +55,17 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 QUANT ?= none
 TP ?= 1
 PP ?= 1
-TRTLLM_ARGS := $(if $(filter trtllm,$(ENGINE)),--quant $(QUANT) --tp $(TP) --pp $(PP))
+# ENGINE=trtllm-llmapi: TensorRT-LLM's LLM API (PyTorch backend) on the Hugging Face folder, in the same image.
+TRTLLM_FLAVORS := trtllm trtllm-llmapi
+TRTLLM_ARGS := $(if $(filter $(TRTLLM_FLAVORS),$(ENGINE)),--quant $(QUANT) --tp $(TP) --pp $(PP))
 
-build: $(VENV)/.installed $(if $(filter trtllm,$(ENGINE)),trtllm-image)
+build: $(VENV)/.installed $(if $(filter $(TRTLLM_FLAVORS),$(ENGINE)),trtllm-image)
 	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR) $(if $(MODEL),--model "$(MODEL)") \
 		$(TRTLLM_ARGS) $(BUILD_ARGS)
 
 serve:
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
-ifeq ($(ENGINE),trtllm)
+ifneq ($(filter $(TRTLLM_FLAVORS),$(ENGINE)),)
 	$(PY) -m tritonllm serve-trtllm --build-dir $(BUILD_DIR) --host $(HOST) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 else

@@ -19,8 +19,9 @@ from tritonllm.launch.server_command import CONTAINER_BINARY, admin_key, server_
 from tritonllm.launch.tritonserver import probe_engine
 from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
 from tritonllm.repository import builder
+from tritonllm.repository.plan import LLM_API
 from tritonllm.repository.render import stale_build
-from tritonllm.trtllm.engine_dir import EngineError, EngineInfo, check_version, read_engine
+from tritonllm.trtllm.engine_dir import EngineError, check_version, read_engine
 
 
 def build_once(build_args: list[str], build_dir: Path) -> int:
@@ -37,27 +38,30 @@ def build_once(build_args: list[str], build_dir: Path) -> int:
     return code
 
 
-def check_mpirun(info: EngineInfo) -> None:
-    """A tensor/pipeline-parallel engine runs one tritonserver per rank under mpirun (server_command): say so before
+def check_mpirun(what: str, tp_size: int, pp_size: int) -> None:
+    """A tensor/pipeline-parallel engine runs one rank per GPU under mpirun (server_command): say so before
     starting, rather than fail with exec's "No such file or directory"."""
-    if info.world_size > 1 and shutil.which("mpirun") is None:
+    if tp_size * pp_size > 1 and shutil.which("mpirun") is None:
         raise EngineError(
-            f"engine {info.path} has {info.world_size} ranks (tp {info.tp_size} x pp {info.pp_size}), which run as "
-            "one tritonserver each under mpirun, but mpirun is not on PATH: run in the trtllm target of ./Dockerfile "
-            "(NVIDIA's TensorRT-LLM image), add the folder holding mpirun to PATH, or rebuild the engine with "
-            "--tp 1 --pp 1"
+            f"{what} has {tp_size * pp_size} ranks (tp {tp_size} x pp {pp_size}), which run under mpirun, "
+            "but mpirun is not on PATH: run in the trtllm target of ./Dockerfile (NVIDIA's TensorRT-LLM image), add "
+            "the folder holding mpirun to PATH, or rebuild with --tp 1 --pp 1"
         )
 
 
 def launch(build_dir: Path, exit_timeout: int) -> None:
     """In the image: check the build, then become tritonserver (or mpirun with one rank per GPU)."""
     manifest = json.loads((build_dir / "manifest.json").read_text())
-    world_size = 1
+    world_size, rank_launcher = 1, []
     if manifest["engine"] == "trtllm":
         info = read_engine(Path(manifest["engine_dir"]))
         check_version(info, version("tensorrt_llm"))
-        check_mpirun(info)
+        check_mpirun(f"engine {info.path}", info.tp_size, info.pp_size)
         world_size = info.world_size
+    elif manifest["engine"] == LLM_API:
+        check_mpirun(f"model {manifest['model_dir']}", manifest["tp_size"], manifest["pp_size"])
+        world_size = manifest["tp_size"] * manifest["pp_size"]
+        rank_launcher = ["trtllm-llmapi-launch"]
     command = server_command(
         CONTAINER_BINARY,
         build_dir / "model_repository",
@@ -68,6 +72,7 @@ def launch(build_dir: Path, exit_timeout: int) -> None:
         exit_timeout=exit_timeout,
         world_size=world_size,
         engine_model=manifest.get("engine_model", DECOUPLED_ENGINE_MODEL),
+        rank_launcher=rank_launcher,
     )
     os.execvp(command[0], command)
 

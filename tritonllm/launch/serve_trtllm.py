@@ -1,9 +1,10 @@
-"""`make serve ENGINE=trtllm`: serve the TensorRT-LLM flavor in NVIDIA's image.
+"""`make serve ENGINE=trtllm` (or trtllm-llmapi): serve a TensorRT-LLM flavor in NVIDIA's image.
 
 On the host it checks everything that would otherwise fail late (build present, engine complete
 and from the pinned TensorRT-LLM release, tokenizer present, Docker, enough GPUs), then runs
 itself in the image; in the image it checks the engine against the installed release and starts
-tritonserver, one rank per GPU under MPI when the engine is tensor/pipeline parallel.
+tritonserver, one rank per GPU under MPI when the engine is tensor/pipeline parallel (the LLM API
+flavor's ranks under `trtllm-llmapi-launch`: tritonllm/launch/server_command.py).
 """
 
 from __future__ import annotations
@@ -13,39 +14,57 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from tritonllm.launch import container
 from tritonllm.launch.server_command import add_address_options
+from tritonllm.repository.plan import LLM_API
 from tritonllm.repository.render import stale_build
 from tritonllm.trtllm import docker
 from tritonllm.trtllm.engine_dir import EngineError, EngineInfo, check_version, read_engine
 from tritonllm.versions import TRTLLM_VERSION
 
+TRTLLM_FLAVORS = ("trtllm", LLM_API)
 
-def load_build(build_dir: Path) -> EngineInfo:
+
+@dataclass(frozen=True)
+class ServedBuild:
+    """A TensorRT-LLM flavor's build, as serving it needs it."""
+
+    engine: str  # "trtllm" or LLM_API
+    version: str  # the TensorRT-LLM release it runs under
+    world_size: int  # GPUs: tensor x pipeline parallel
+    what: str  # for the log
+    # The folders the rendered configs name by absolute path: the build (its model repository and guided decoding's
+    # tokenizer file), the engine or checkpoint, and the tokenizer. `docker run` mounts each at the same path: one
+    # outside the project would otherwise be missing in the container.
+    folders: tuple[Path, ...]
+    engine_info: EngineInfo | None = None  # the TensorRT engine's, checked against the installed release
+
+
+def load_build(build_dir: Path) -> ServedBuild:
     manifest_path = build_dir / "manifest.json"
     if not manifest_path.is_file():
         raise EngineError(f"{manifest_path} is missing: run `make build ENGINE=trtllm` first")
     manifest = json.loads(manifest_path.read_text())
-    if manifest.get("engine") != "trtllm":
-        raise EngineError(f"{build_dir} holds a {manifest.get('engine')} build: run `make build ENGINE=trtllm`")
+    engine = manifest.get("engine")
+    if engine not in TRTLLM_FLAVORS:
+        raise EngineError(f"{build_dir} holds a {engine} build: run `make build ENGINE=trtllm` (or {LLM_API})")
+    rebuild = f"make build ENGINE={engine}"
     if not any(Path(manifest["tokenizer_dir"]).glob("tokenizer*")):
-        raise EngineError(
-            f"tokenizer folder {manifest['tokenizer_dir']} is missing or empty: run `make build ENGINE=trtllm`"
-        )
+        raise EngineError(f"tokenizer folder {manifest['tokenizer_dir']} is missing or empty: run `{rebuild}`")
     if why := stale_build(manifest):
-        raise EngineError(f"{build_dir}: {why}: run `make build ENGINE=trtllm` again")
-    return read_engine(Path(manifest["engine_dir"]))
-
-
-def build_folders(build_dir: Path) -> list[Path]:
-    """The folders the rendered configs name by absolute path: the build (its model repository and guided decoding's
-    tokenizer file), the engine (gpt_model_path) and the tokenizer (pre/postprocessing). `docker run` mounts each at
-    the same path: an engine or build folder outside the project would otherwise be missing in the container."""
-    manifest = json.loads((build_dir / "manifest.json").read_text())
-    return [build_dir, Path(manifest["engine_dir"]), Path(manifest["tokenizer_dir"])]
+        raise EngineError(f"{build_dir}: {why}: run `{rebuild}` again")
+    tokenizer = Path(manifest["tokenizer_dir"])
+    if engine == LLM_API:  # the checkpoint is the tokenizer's folder
+        tp, pp = manifest["tp_size"], manifest["pp_size"]
+        where = f"TensorRT-LLM {TRTLLM_VERSION} LLM API, tp {tp} x pp {pp}"
+        return ServedBuild(engine, TRTLLM_VERSION, tp * pp, f"{tokenizer} ({where})", (build_dir, tokenizer))
+    info = read_engine(Path(manifest["engine_dir"]))
+    where = f"{info.path} (TensorRT-LLM {info.version}, tp {info.tp_size} x pp {info.pp_size})"
+    return ServedBuild(engine, info.version, info.world_size, where, (build_dir, info.path, tokenizer), info)
 
 
 def installed_trtllm() -> str:
@@ -57,6 +76,18 @@ def installed_trtllm() -> str:
         ) from None
 
 
+def check_release(build: ServedBuild, running: str) -> None:
+    """A TensorRT engine runs only under the release that built it; the LLM API flavor's arguments and request
+    mapping are written against the pinned release (tritonllm/engine/llmapi.py)."""
+    if build.engine_info is not None:
+        check_version(build.engine_info, running)
+    elif running != build.version:
+        raise EngineError(
+            f"this image runs TensorRT-LLM {running}; the LLM API flavor is written against {build.version} "
+            f"(tritonllm/versions.py): serve in {docker.IMAGE_TAG} (`make build ENGINE={LLM_API}` builds it)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--build-dir", type=Path, default=Path("build"))
@@ -65,17 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     build_dir = args.build_dir.resolve()
     try:
-        info = load_build(build_dir)
-        where = f"TensorRT-LLM {info.version}, tp {info.tp_size} x pp {info.pp_size}"
+        build = load_build(build_dir)
         if docker.inside_image():
-            check_version(info, installed_trtllm())
-            print(f"Serving {info.path} ({where})", flush=True)
+            check_release(build, installed_trtllm())
+            print(f"Serving {build.what}", flush=True)
             container.launch(build_dir, exit_timeout=args.exit_timeout)  # becomes tritonserver, as the entrypoint does
             return 0
-        check_version(info, TRTLLM_VERSION)
-        problems = docker.host_problems(gpus_needed=info.world_size)
+        check_release(build, TRTLLM_VERSION)
+        problems = docker.host_problems(gpus_needed=build.world_size)
         if problems:
-            raise EngineError("\n  ".join(["cannot serve the TensorRT-LLM flavor here:", *problems]))
+            raise EngineError("\n  ".join([f"cannot serve the {build.engine} flavor here:", *problems]))
         if subprocess.run(["docker", "image", "inspect", docker.IMAGE_TAG], capture_output=True).returncode:
             raise EngineError(f"image {docker.IMAGE_TAG} is missing: run `make build ENGINE=trtllm`")
     except EngineError as exc:
@@ -83,9 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ports = {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
     inner = ["python3", "-m", "tritonllm.launch.serve_trtllm", "--build-dir", str(build_dir)]
-    folders = build_folders(build_dir)
-    command = docker.docker_run(docker.IMAGE_TAG, Path.cwd(), inner, folders=folders, ports=ports, host=args.host)
-    print(f"Serving {info.path} ({where}) in {docker.IMAGE_TAG}: {' '.join(command)}", flush=True)
+    command = docker.docker_run(docker.IMAGE_TAG, Path.cwd(), inner, folders=build.folders, ports=ports, host=args.host)
+    print(f"Serving {build.what} in {docker.IMAGE_TAG}: {' '.join(command)}", flush=True)
     os.execvp(command[0], command)  # docker takes over this process and its signals
     return 0  # not reached
 

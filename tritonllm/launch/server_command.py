@@ -39,12 +39,18 @@ def server_command(
     backend_dir: Path | None = None,
     world_size: int = 1,
     engine_model: str = DECOUPLED_ENGINE_MODEL,
+    rank_launcher: Sequence[str] = (),
 ) -> list[str]:
     """The tritonserver command line every launcher runs: the repository, addresses and ports, the options
     the build recorded, the restricted administrative APIs, and for a multi-GPU TensorRT-LLM engine one
     server per rank under MPI (the tensorrtllm backend's leader mode: each rank gets its own Python-backend
     shared-memory prefix, and ranks other than 0 load only the engine model: the manifest's engine_model,
-    tensorrt_llm_decoupled by default, tensorrt_llm in the decoupled deployment)."""
+    tensorrt_llm_decoupled by default, tensorrt_llm in the decoupled deployment).
+
+    `rank_launcher` runs each rank's server, as NVIDIA's launch_triton_server.py --trtllm_llmapi_launch does for the
+    LLM API model: `trtllm-llmapi-launch` starts tritonserver on rank 0 only and an LLM API worker on the others, so
+    one server's LLM drives every GPU; several ranks then share a node, which Open MPI refuses without
+    --oversubscribe when the node's slots are fewer."""
     args = [
         str(binary),
         f"--model-repository={repository}",
@@ -62,9 +68,9 @@ def server_command(
     ]
     if world_size == 1:
         return args
-    command = ["mpirun", "--allow-run-as-root"]
+    command = ["mpirun", "--allow-run-as-root", *(["--oversubscribe"] if rank_launcher else [])]
     for rank in range(world_size):
-        command += ["-n", "1", *args, f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
+        command += ["-n", "1", *rank_launcher, *args, f"--backend-config=python,shm-region-prefix-name=prefix{rank}_"]
         if rank:
             command += ["--model-control-mode=explicit", f"--load-model={engine_model}"]
         command.append(":")

@@ -2,6 +2,7 @@
 
 --engine portable   the Hugging Face folder is the engine (PyTorch, CPU or CUDA)
 --engine trtllm     a TensorRT-LLM engine, built inside NVIDIA's image (on a GPU host with Docker)
+--engine trtllm-llmapi  TensorRT-LLM's LLM API (PyTorch backend) on the Hugging Face folder, no engine build
 --engine synthetic  a benchmark instrument: fixed text at --step-ms per step, for measuring the pipeline
 """
 
@@ -17,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, GGUF_AS_IS, EngineConfig
+from tritonllm.engine.llmapi_config import LlmApiConfig
 from tritonllm.engine.synthetic import SyntheticConfig
 from tritonllm.options import add_options
 from tritonllm.repository.model_source import ModelSourceError, gguf_source, resolve_model
@@ -24,8 +26,10 @@ from tritonllm.repository.plan import (
     DEFAULT_ADMITTED,
     DTYPE_BYTES,
     ENGINE_FOLDER,
+    LLM_API,
     BuildError,
     engine_name,
+    plan_llm_api,
     plan_portable,
     plan_synthetic,
     plan_trtllm,
@@ -99,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--engine",
-        choices=["portable", "trtllm", "synthetic"],
+        choices=["portable", "trtllm", LLM_API, "synthetic"],
         default="portable",
-        help="the engine flavor behind the ensemble; synthetic: a benchmark instrument (docs/performance.md)",
+        help="the engine flavor behind the ensemble: portable, trtllm (TensorRT engines) or trtllm-llmapi "
+        "(TensorRT-LLM's LLM API, PyTorch backend); synthetic: a benchmark instrument (docs/performance.md)",
     )
     parser.add_argument(
         "--model",
@@ -155,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.85,
         help="share of the GPU memory left after loading the engine that the KV cache may take",
     )
+    llm_api = parser.add_argument_group(
+        "TensorRT-LLM LLM API (also takes --tp, --pp, --max-num-tokens, --kv-cache-quant and "
+        "--kv-cache-free-gpu-mem-fraction)"
+    )
+    add_options(llm_api, LlmApiConfig)
     trt.add_argument("--engine-dir", type=Path, help="serve this existing engine folder instead of building one")
     trt.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)  # the in-image half of a build
     return parser
@@ -174,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_portable(model_dir, gguf_source(args.model or None), args)
         elif args.engine == "synthetic":
             plan = plan_synthetic(model_dir, args)
+        elif args.engine == LLM_API:
+            plan = plan_llm_api(model_dir, args)
         else:
             engine_dir = (args.engine_dir or default_engine_dir(build_dir, model_dir, args)).resolve()
             if args.engine_dir is None:
@@ -187,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         files = dict(plan.files)
         if plan.engine_config is not None:
             files[f"{ENGINE_FOLDER}/1/{ENGINE_CONFIG_FILE}"] = json.dumps(asdict(plan.engine_config), indent=2) + "\n"
-        flavor = "portable" if plan.engine == "synthetic" else plan.engine  # the same models, another engine
+        flavor = "trtllm" if plan.engine == "trtllm" else "portable"  # the same Python-backend models, another engine
         models = write_repository(
             plan.template_values(),
             build_dir / "model_repository",

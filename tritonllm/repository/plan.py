@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, EngineConfig
+from tritonllm.engine.llmapi_config import KV_CACHE_DTYPES, LLM_API_CONFIG_FILE, TOKENS_PER_BLOCK, LlmApiConfig
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError
 from tritonllm.options import option_fields
@@ -24,6 +25,7 @@ ENGINE_FOLDER = "tensorrt_llm"  # the engine's template folder: `files` under it
 # Python-backend threads per model instance, at most: beyond it, the ensemble's requests wait for a thread in the
 # bridge (tensorrt_llm_bls and the engine model are not bounded by it: their BLS calls stream).
 MAX_BACKEND_THREADS = 512
+LLM_API = "trtllm-llmapi"  # --engine: TensorRT-LLM's LLM API (PyTorch backend) in the portable engine's model
 DEFAULT_ADMITTED = 128  # running + waiting requests admitted by default (TGI's default max_concurrent_requests)
 
 
@@ -71,7 +73,10 @@ class BuildPlan:
 
     @property
     def guided_decoding(self) -> str:
-        """Who checks a guide before generation (preprocessing's parameter: tritonllm.text.tokenization)."""
+        """Who checks a guide before generation (preprocessing's parameter: tritonllm.text.tokenization): TensorRT-LLM
+        compiles guides in its batch step, the engine flavor's and the LLM API's alike."""
+        if self.engine == LLM_API:
+            return GUIDES_COMPILED
         if self.engine != "trtllm":
             return GUIDES_BY_ENGINE
         return GUIDES_COMPILED if self.details.get("guided_decoding", True) else GUIDES_OFF
@@ -293,6 +298,61 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
             "guided_decoding": bool(files),
         },
         files=files,
+    )
+
+
+def plan_llm_api(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
+    """TensorRT-LLM's LLM API (PyTorch backend): no engine build; the engine model loads the checkpoint itself, with
+    the LLM arguments the build writes (tritonllm/engine/llmapi_config.py)."""
+    from transformers import AutoConfig
+
+    if args.quant != "none":
+        raise BuildError(
+            f"--quant {args.quant}: the LLM API flavor quantizes nothing itself; serve a checkpoint quantized "
+            "beforehand (ModelOpt's FP8/NVFP4 Hugging Face exports load as they are), with --quant none"
+        )
+    if args.kv_cache_quant not in KV_CACHE_DTYPES:
+        raise BuildError(
+            f"--kv-cache-quant {args.kv_cache_quant}: the LLM API flavor takes {', '.join(KV_CACHE_DTYPES)}"
+        )
+    text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    model_max = getattr(text_config, "max_position_embeddings", None) or args.max_seq_len
+    max_seq_len = min(args.max_seq_len, model_max)
+    max_input_len = input_len(
+        args,
+        max_seq_len,
+        f"the max sequence length {max_seq_len} (the smaller of --max-seq-len and the model's {model_max} positions)",
+    )
+    config = LlmApiConfig(
+        str(model_dir),
+        tensor_parallel_size=args.tp_size,
+        pipeline_parallel_size=args.pp_size,
+        max_batch_size=args.max_batch_size or 64,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=max_seq_len,
+        dtype=args.dtype,
+        free_gpu_memory_fraction=args.kv_cache_free_gpu_mem_fraction,
+        kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_quant],
+        **{f.name: getattr(args, f.name) for f in option_fields(LlmApiConfig)},
+    )
+    try:
+        config.check(max_input_len)
+    except ConfigError as exc:
+        raise BuildError(str(exc)) from None
+    return BuildPlan(
+        engine=LLM_API,
+        model_dir=str(model_dir),
+        dtype=config.dtype,
+        max_batch_size=config.max_batch_size,
+        max_input_len=max_input_len,
+        max_seq_len=max_seq_len,
+        vocab_size=text_config.vocab_size,
+        max_queue_size=args.max_queue_size,
+        kv_cache_block_tokens=TOKENS_PER_BLOCK,
+        # One instance: the LLM places its ranks on the GPUs itself (NVIDIA's llmapi model is KIND_CPU, count 1).
+        engine_values={"engine_instance_kind": "KIND_CPU"},
+        details={"tp_size": config.tensor_parallel_size, "pp_size": config.pipeline_parallel_size},
+        files={f"{ENGINE_FOLDER}/1/{LLM_API_CONFIG_FILE}": json.dumps(config.llm_kwargs(), indent=2) + "\n"},
     )
 
 

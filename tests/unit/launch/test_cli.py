@@ -27,4 +27,4 @@ def test_a_command_gets_its_arguments(capsys):
         cli.main(["build", "--help"])
     except SystemExit as exit_:
         assert exit_.code == 0
-    assert "--engine {portable,trtllm,synthetic}" in capsys.readouterr().out
+    assert "--engine {portable,trtllm,trtllm-llmapi,synthetic}" in capsys.readouterr().out
