@@ -139,7 +139,7 @@ def penalties(arrays: dict[str, np.ndarray], row: int) -> Penalties:
     temperature. With the addition `openai_penalties`, OpenAI's: the generated tokens only, before it."""
     beam_width = scalar(arrays, "beam_width", row)
     if beam_width is not None and beam_width != 1:
-        raise InputError("beam_width", f"the portable engine generates one beam: it must be 1, got {beam_width}")
+        raise InputError("beam_width", f"this engine model generates one beam: it must be 1, got {beam_width}")
     repetition, presence, frequency, min_tokens = (
         scalar(arrays, name, row)
         for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")

@@ -50,8 +50,8 @@ class LlmApi:
             trt = importlib.import_module("tensorrt_llm")
         except ImportError as exc:
             raise ConfigError(
-                "tensorrt_llm cannot be imported here: the trtllm-llmapi flavor runs in NVIDIA's TensorRT-LLM image "
-                "(`make serve ENGINE=trtllm-llmapi`)"
+                f"tensorrt_llm cannot be imported here ({type(exc).__name__}: {exc}): the trtllm-llmapi flavor runs "
+                "in NVIDIA's TensorRT-LLM image (`make serve ENGINE=trtllm-llmapi`)"
             ) from exc
         params = importlib.import_module("tensorrt_llm.sampling_params")
         return cls(trt.__version__, trt.LLM, trt.SamplingParams, params.GuidedDecodingParams, params.LogitsProcessor)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, EngineConfig
-from tritonllm.engine.llmapi_config import KV_CACHE_DTYPES, LLM_API_CONFIG_FILE, TOKENS_PER_BLOCK, LlmApiConfig
+from tritonllm.engine.llmapi_config import KV_CACHE_DTYPES, LLM_API_CONFIG_FILE, LlmApiConfig
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError
 from tritonllm.options import option_fields
@@ -348,7 +348,8 @@ def plan_llm_api(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         max_seq_len=max_seq_len,
         vocab_size=text_config.vocab_size,
         max_queue_size=args.max_queue_size,
-        kv_cache_block_tokens=TOKENS_PER_BLOCK,
+        # The engine model counts KV cache blocks in tokens (tritonllm/backend/engine_io.py perf_outputs), the LLM
+        # API's reused blocks turned into the tokens they hold: kv_cache_block_tokens stays 1.
         # One instance: the LLM places its ranks on the GPUs itself (NVIDIA's llmapi model is KIND_CPU, count 1).
         engine_values={"engine_instance_kind": "KIND_CPU"},
         details={"tp_size": config.tensor_parallel_size, "pp_size": config.pipeline_parallel_size},
