@@ -81,7 +81,7 @@ def expected_gpus(values: Path | None) -> int:
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     build = {**defaults["build"], **settings.get("build", {})}
     gpus = int({**defaults["resources"], **settings.get("resources", {})}["gpus"])
-    if settings.get("flavor", defaults["flavor"]) == "trtllm":
+    if settings.get("flavor", defaults["flavor"]) in ("trtllm", "trtllm-llmapi"):
         return max(gpus, int(build["tensorParallel"]) * int(build["pipelineParallel"]))
     return gpus
 

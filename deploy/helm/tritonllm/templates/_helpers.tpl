@@ -15,9 +15,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "tritonllm.claim" -}}{{ .Values.storage.existingClaim | default (printf "%s-models" (include "tritonllm.name" .)) }}{{- end -}}
 
-{{/* GPUs per pod: a TensorRT-LLM engine needs one per rank (tensor x pipeline parallel). */}}
+{{/* The TensorRT-LLM flavors: engines (trtllm) and the LLM API (trtllm-llmapi), both in NVIDIA's image. */}}
+{{- define "tritonllm.trtllm" -}}{{ has .Values.flavor (list "trtllm" "trtllm-llmapi") }}{{- end -}}
+
+{{/* GPUs per pod: TensorRT-LLM needs one per rank (tensor x pipeline parallel). */}}
 {{- define "tritonllm.gpus" -}}
-{{- if eq .Values.flavor "trtllm" -}}
+{{- if eq (include "tritonllm.trtllm" .) "true" -}}
 {{- max (int .Values.resources.gpus) (mul (int .Values.build.tensorParallel) (int .Values.build.pipelineParallel)) -}}
 {{- else -}}
 {{- int .Values.resources.gpus -}}
@@ -51,7 +54,7 @@ limits:
 - --max-batch-size
 - {{ .Values.build.maxBatchSize | quote }}
 {{- end }}
-{{- if eq .Values.flavor "trtllm" }}
+{{- if eq (include "tritonllm.trtllm" .) "true" }}
 - --quant
 - {{ .Values.build.quant }}
 - --tp
