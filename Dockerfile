@@ -1,13 +1,13 @@
 # One file, two images, on the same Triton release (pinned in tritonllm/versions.py; keep TRITON_TAG equal to it,
 # a test checks). NOT BUILT IN CI: the project's machines have no Docker engine and no GPU. See docs/gpu.md.
 #
-#   docker build --target trtllm   -t tritonllm:trtllm-26.07 .   # what `make build ENGINE=trtllm` does
+#   docker build --target trtllm   -t tritonllm:trtllm-26.07 .   # what `make build ENGINE=trtllm` (or trtllm-llmapi) does
 #   docker build --target portable -t tritonllm:portable-26.07 .
 #   docker run --rm --gpus all --shm-size=2g -p 127.0.0.1:8000:8000 -p 127.0.0.1:8001:8001 tritonllm:portable-26.07
 ARG TRITON_TAG=26.07
 
-# TensorRT-LLM flavor: NVIDIA's image with TensorRT-LLM 1.2.1 (the release the engines must be built by), the
-# tensorrtllm C++ backend and the Python backend. Engines are built and served in it (`make build/serve ENGINE=trtllm`
+# TensorRT-LLM flavors: NVIDIA's image with TensorRT-LLM 1.2.1 (the release the engines must be built by, and the
+# LLM API the trtllm-llmapi flavor's engine model drives), the tensorrtllm C++ backend and the Python backend. Engines are built and served in it (`make build/serve ENGINE=trtllm`
 # mount the project at the same path and put it on PYTHONPATH); the copy below serves images run on their own.
 FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-trtllm-python-py3 AS trtllm
 WORKDIR /opt/tritonllm
