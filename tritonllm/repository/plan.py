@@ -153,7 +153,9 @@ def input_len(args: argparse.Namespace, max_seq_len: int, what: str) -> int:
     return max_input_len
 
 
-def plan_portable(model_dir: Path, gguf: Path | None, args: argparse.Namespace) -> BuildPlan:
+def model_lengths(model_dir: Path, args: argparse.Namespace):
+    """The Hugging Face model's text config, and the sequence and input lengths: --max-seq-len capped by the model's
+    positions, --max-input-len (input_len)."""
     from transformers import AutoConfig
 
     text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
@@ -164,6 +166,11 @@ def plan_portable(model_dir: Path, gguf: Path | None, args: argparse.Namespace) 
         max_seq_len,
         f"the max sequence length {max_seq_len} (the smaller of --max-seq-len and the model's {model_max} positions)",
     )
+    return text_config, max_seq_len, max_input_len
+
+
+def plan_portable(model_dir: Path, gguf: Path | None, args: argparse.Namespace) -> BuildPlan:
+    text_config, max_seq_len, max_input_len = model_lengths(model_dir, args)
     max_batch_size = args.max_batch_size or 16
     if max_batch_size < 1:
         raise BuildError(f"--max-batch-size must be at least 1, got {max_batch_size}")
@@ -304,8 +311,6 @@ def plan_trtllm(model_dir: Path, engine_dir: Path, args: argparse.Namespace) -> 
 def plan_llm_api(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     """TensorRT-LLM's LLM API (PyTorch backend): no engine build; the engine model loads the checkpoint itself, with
     the LLM arguments the build writes (tritonllm/engine/llmapi_config.py)."""
-    from transformers import AutoConfig
-
     if args.quant != "none":
         raise BuildError(
             f"--quant {args.quant}: the LLM API flavor quantizes nothing itself; serve a checkpoint quantized "
@@ -315,14 +320,7 @@ def plan_llm_api(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         raise BuildError(
             f"--kv-cache-quant {args.kv_cache_quant}: the LLM API flavor takes {', '.join(KV_CACHE_DTYPES)}"
         )
-    text_config = AutoConfig.from_pretrained(model_dir).get_text_config()
-    model_max = getattr(text_config, "max_position_embeddings", None) or args.max_seq_len
-    max_seq_len = min(args.max_seq_len, model_max)
-    max_input_len = input_len(
-        args,
-        max_seq_len,
-        f"the max sequence length {max_seq_len} (the smaller of --max-seq-len and the model's {model_max} positions)",
-    )
+    text_config, max_seq_len, max_input_len = model_lengths(model_dir, args)
     config = LlmApiConfig(
         str(model_dir),
         tensor_parallel_size=args.tp_size,
