@@ -62,6 +62,23 @@ def test_the_ensemble_and_the_bls_answer_as_the_portable_flavor(llmapi_server, s
     assert streamed == expected
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 11},
+        {"temperature": 0.7, "top_p": 0.95, "seed": 3, "presence_penalty": 0.6, "frequency_penalty": 0.4},
+        {"repetition_penalty": 1.3, "min_tokens": 20},
+        {"presence_penalty": 0.5, "openai_penalties": True, "temperature": 0.9, "top_k": 20, "seed": 5},
+    ],
+    ids=lambda o: ",".join(o),
+)
+def test_sampling_and_penalties_reach_the_model_as_in_the_portable_flavor(llmapi_server, server, options):
+    """The LLM API's names and rules (the temperature before presence and frequency, the prompt's tokens counted
+    unless OpenAI's rule) translated back by the stand-in give the portable engine's draw on the same seed."""
+    expected = generate(QUESTION, 24, url=server.http_url, **options)
+    assert generate(QUESTION, 24, url=llmapi_server.http_url, **options) == expected
+
+
 def test_nvidias_clients_are_answered(llmapi_server, server, tokenizer, manifest):
     """end_to_end_grpc_client.py's controls (stop words, log probs) and inflight_batcher_llm_client.py's token ids."""
     urls = [f"{s.host}:{s.grpc_port}" for s in (llmapi_server, server)]

@@ -179,10 +179,15 @@ class LlmApiEngine(BlockingGenerate):
         return False
 
     def _finish(self, life: Lifecycle, reason: str, completion, error: str | None = None) -> None:
-        """The final emission, with the KV cache blocks an earlier request left, from the request's perf metrics."""
+        """The final emission, with what the request's perf metrics say: the KV cache blocks an earlier request left,
+        and when the scheduler first took it (its steady-clock times are timedeltas; the arrival is the LLM's own)."""
         metrics = completion.request_perf_metrics
         if metrics is not None:
             life.cached = metrics.kv_cache_metrics.num_reused_blocks * self.tokens_per_block
+            timing = metrics.timing_metrics
+            if timing.first_scheduled_time and timing.arrival_time:
+                waited = (timing.first_scheduled_time - timing.arrival_time).total_seconds()
+                life.scheduled = life.submitted + max(waited, 0.0)
         life.finish(reason, error)
 
 

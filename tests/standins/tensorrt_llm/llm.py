@@ -15,7 +15,9 @@ import dataclasses
 import itertools
 import json
 import os
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 from tensorrt_llm.sampling_params import GuidedDecodingParams, SamplingParams, _implies_greedy
@@ -51,8 +53,19 @@ class KvCacheMetrics:
 
 
 @dataclass
+class TimingMetrics:
+    """Steady-clock times as timedeltas (the bindings' RequestPerfMetrics.timing_metrics); zero where unknown."""
+
+    arrival_time: timedelta = timedelta(0)
+    first_scheduled_time: timedelta = timedelta(0)
+    first_token_time: timedelta = timedelta(0)
+    last_token_time: timedelta = timedelta(0)
+
+
+@dataclass
 class RequestPerfMetrics:
     kv_cache_metrics: KvCacheMetrics
+    timing_metrics: TimingMetrics
 
 
 @dataclass
@@ -102,6 +115,7 @@ class RequestOutput:
         self._queue: asyncio.Queue[Emission] = asyncio.Queue()
         self._engine_id = ""
         self._aborted = False
+        self._arrival = time.perf_counter()  # the steady clock, as the release stamps arrival_time
 
     def _emitted(self, emission: Emission) -> None:  # on the engine's thread
         self._loop.call_soon_threadsafe(self._queue.put_nowait, emission)
@@ -133,7 +147,10 @@ class RequestOutput:
                 output.finish_reason = _FINISH[emission.finish_reason]
                 if self._perf:
                     blocks = emission.cached_tokens // TOKENS_PER_BLOCK
-                    output.request_perf_metrics = RequestPerfMetrics(KvCacheMetrics(num_reused_blocks=blocks))
+                    timing = TimingMetrics(timedelta(seconds=self._arrival))
+                    if emission.time_to_schedule is not None:
+                        timing.first_scheduled_time = timedelta(seconds=self._arrival + emission.time_to_schedule)
+                    output.request_perf_metrics = RequestPerfMetrics(KvCacheMetrics(num_reused_blocks=blocks), timing)
                 return self
             if self._streaming:
                 return self

@@ -194,6 +194,7 @@ def test_streamed_and_whole_answers_carry_the_same_tokens(engine, prompt, tokeni
     assert [t for e in streamed for t in e.token_ids] == whole[0].token_ids
     assert whole[0].finish_reason == streamed[-1].finish_reason == FINISH_LENGTH
     assert whole[0].time_to_first_token is not None
+    assert whole[0].time_to_schedule is not None  # from the request's perf metrics (timing_metrics)
 
 
 def test_a_stop_word_ends_the_request_and_aborts_it_in_the_llm(engine, prompt, tokenizer):
