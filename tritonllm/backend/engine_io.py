@@ -158,9 +158,7 @@ def penalties(arrays: dict[str, np.ndarray], row: int) -> Penalties:
         return given
     temperature = scalar(arrays, "temperature", row)  # checked with the sampling parameters
     scale = 1.0 if temperature is None else float(temperature)
-    return dataclasses.replace(
-        given, presence=scale * given.presence, frequency=scale * given.frequency, temperature_scale=scale
-    )
+    return dataclasses.replace(given, presence=scale * given.presence, frequency=scale * given.frequency)
 
 
 def _embedding_bias(arrays: dict[str, np.ndarray], row: int, limits: Limits) -> tuple[tuple[int, float], ...]:

@@ -64,15 +64,12 @@ class Penalties:
     frequency: float = 0.0
     min_tokens: int = 0
     count_prompt: bool = False
-    # What presence and frequency were multiplied by to move TensorRT-LLM's rule before the temperature (the
-    # request's temperature), so that an engine applying that rule itself (TensorRT-LLM's LLM API) divides it out.
-    temperature_scale: float = 1.0
 
     @property
     def neutral(self) -> bool:
         """No change to the logits. min_tokens is left out: it bans one token at a request's first steps, which
         every engine's greedy path does itself (it is 1 by default on NVIDIA's interface, as in TensorRT-LLM)."""
-        return dataclasses.replace(self, min_tokens=0, count_prompt=False, temperature_scale=1.0) == Penalties()
+        return dataclasses.replace(self, min_tokens=0, count_prompt=False) == Penalties()
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,22 @@ The LLM is made from the arguments the build wrote (tritonllm/engine/llmapi_conf
 iterators, so one event loop thread calls `generate_async` (the async queue of a result exists only when a loop runs
 where it is made) and reads every request's steps. A request's tokens go through tritonllm/engine/lifecycle.py, as
 in the other engines: stop words, max tokens and the end id end it there, and its emissions and timings are made
-there. Names are those of release 1.2.1 (tensorrt_llm/llmapi/llm.py, executor/result.py, sampling_params.py); only
-`LlmApi.load` imports tensorrt_llm, so the CPU tests drive this class with a stand-in (tests/unit/engine).
+there. Names are those read in NVIDIA's sources nearest the pinned 1.2.1 (docs/llmapi.md lists them and the copies
+read: tensorrt_llm/llmapi/llm.py, executor/result.py, sampling_params.py); only `LlmApi.load` imports tensorrt_llm,
+so the CPU tests drive this class with a stand-in (tests/standins/tensorrt_llm).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import itertools
+import logging
 import math
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +30,15 @@ from tritonllm.engine.grammar_check import check_guide
 from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.engine.llmapi_config import TOKENS_PER_BLOCK
 from tritonllm.engine.llmapi_params import TokenRules, guided_decoding_kwargs, sampling_kwargs, token_rules
-from tritonllm.errors import ConfigError
+from tritonllm.errors import ConfigError, EngineFailure
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH
 
 # CompletionOutput.finish_reason (executor/result.py) -> ours. "stop" is the end id: stop words are never handed
 # to the LLM API (tritonllm/engine/llmapi_params.py), so none of its stops is one.
-FINISH_REASONS = {"stop": FINISH_EOS, "length": FINISH_LENGTH, "cancelled": FINISH_CANCELLED, "timeout": FINISH_ERROR}
+LLM_FINISH = {"stop": FINISH_EOS, "length": FINISH_LENGTH, "cancelled": FINISH_CANCELLED, "timeout": FINISH_ERROR}
+SHUTDOWN_SECONDS = 30  # for the requests in flight to get their final emission at shutdown
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +64,11 @@ class LlmApi:
         return cls(trt.__version__, trt.LLM, trt.SamplingParams, params.GuidedDecodingParams, params.LogitsProcessor)
 
 
+# TensorRT-LLM pickles a request's logits processor to its worker processes: a class at module level pickles, one
+# made at run time does not. TokenRules is registered under the release's abstract LogitsProcessor when the engine
+# starts (LlmApiEngine.__init__), so that it passes the release's isinstance checks.
+
+
 @dataclass(eq=False)
 class _Request:
     life: Lifecycle
@@ -67,22 +79,22 @@ class _Request:
 class LlmApiEngine(BlockingGenerate):
     def __init__(self, llm_kwargs: dict, api: LlmApi | None = None) -> None:
         self.api = api or LlmApi.load()
+        self.api.LogitsProcessor.register(TokenRules)
         self.max_batch_size = int(llm_kwargs.get("max_batch_size") or 1)
-        tokens_per_block = (llm_kwargs.get("kv_cache_config") or {}).get("tokens_per_block")
-        self.tokens_per_block = int(tokens_per_block or TOKENS_PER_BLOCK)
         self.llm = self.api.LLM(**llm_kwargs)  # loads the checkpoint; with tp/pp > 1, reaches every rank
-        # The release's LogitsProcessor is an abstract base: TokenRules is registered under it.
-        self._rules_class = type("TokenRules", (TokenRules, self.api.LogitsProcessor), {})
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tensorrt_llm-llmapi", daemon=True)
         self._thread.start()
         self._closed = False
+        self._dead: str | None = None  # why the LLM takes no more requests, once it says so
 
     # ---------------------------------------------------------------- the engine interface
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        if self._closed or self._dead:
+            raise EngineFailure(f"the engine takes no requests: {self._dead or 'it is shutting down'}")
         check_request(request)
         if request.guide is not None:  # compiled in TensorRT-LLM's batch step, where a bad one fails late
             check_guide(request.guide.type, request.guide.text)
@@ -90,7 +102,8 @@ class LlmApiEngine(BlockingGenerate):
         engine_id = str(next(self._ids))
         entry = _Request(Lifecycle(request=request, emit=emit))
         self._requests[engine_id] = entry
-        asyncio.run_coroutine_threadsafe(self._run(engine_id, entry, params), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._run(engine_id, entry, params), self._loop)
+        future.add_done_callback(_log_failure)
         return engine_id
 
     def cancel(self, engine_id: str) -> None:
@@ -106,23 +119,25 @@ class LlmApiEngine(BlockingGenerate):
         return min(len(self._requests), self.max_batch_size)
 
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._closed
+        return self._thread.is_alive() and not self._closed and self._dead is None
 
     def shutdown(self) -> None:
+        """Every request in flight ends with an error first (and is aborted in the LLM), then the LLM stops."""
         if self._closed:
             return
         self._closed = True
-        for entry in list(self._requests.values()):
-            self._loop.call_soon_threadsafe(self._abort, entry)
+        ended = asyncio.run_coroutine_threadsafe(self._end_all("the engine is shutting down"), self._loop)
+        with contextlib.suppress(Exception):
+            ended.result(SHUTDOWN_SECONDS)
         self.llm.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=SHUTDOWN_SECONDS)
 
     def _sampling_params(self, request: GenerationRequest):
         kwargs = sampling_kwargs(request)
         if request.guide is not None:
             kwargs["guided_decoding"] = self.api.GuidedDecodingParams(**guided_decoding_kwargs(request.guide))
-        rules = token_rules(request, self._rules_class)
+        rules = token_rules(request)
         if rules is not None:
             kwargs["logits_processor"] = rules
         return self.api.SamplingParams(**kwargs)
@@ -131,8 +146,14 @@ class LlmApiEngine(BlockingGenerate):
 
     def _abort(self, entry: _Request) -> None:
         entry.cancelled = True
-        if entry.result is not None and not entry.life.done:
-            entry.result.abort()
+        if entry.result is not None and not entry.life.done and not entry.result.finished:
+            _abort_quietly(entry.result)
+
+    async def _end_all(self, why: str) -> None:
+        for entry in list(self._requests.values()):
+            if entry.result is not None and not entry.result.finished:
+                _abort_quietly(entry.result)
+            entry.life.finish(FINISH_ERROR, error=why)
 
     async def _run(self, engine_id: str, entry: _Request, params) -> None:
         life = entry.life
@@ -142,17 +163,24 @@ class LlmApiEngine(BlockingGenerate):
                 return
             # Streamed from the LLM whenever tokens are checked as they come: stop words, or a streaming client.
             streaming = life.request.streaming or bool(life.request.stop_words)
-            entry.result = self.llm.generate_async(
-                {"prompt_token_ids": life.request.input_ids}, sampling_params=params, streaming=streaming
-            )
+            try:
+                entry.result = self.llm.generate_async(
+                    {"prompt_token_ids": life.request.input_ids}, sampling_params=params, streaming=streaming
+                )
+            except RuntimeError as exc:
+                if "shutting down" in str(exc):  # the release's "LLM is shutting down": the health probe must see it
+                    self._dead = str(exc)
+                raise
             async for output in entry.result:
-                if self._step(entry, output):
+                if life.done or self._step(entry, output):
                     return
         except Exception as exc:  # this request fails alone
             if entry.result is not None and not entry.result.finished:
-                entry.result.abort()
+                _abort_quietly(entry.result)
             life.finish(FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
         finally:
+            if not life.done:  # the LLM's results ended without a finished one
+                life.finish(FINISH_ERROR, error="TensorRT-LLM ended the request without finishing it")
             self._requests.pop(engine_id, None)
 
     def _step(self, entry: _Request, output) -> bool:
@@ -166,12 +194,12 @@ class LlmApiEngine(BlockingGenerate):
             chosen = token_log_probs(token, log_probs[position], life.request.log_probs) if wanted else None
             reason = life.take(token, chosen)
             if reason is not None:
-                if not output.finished:
-                    entry.result.abort()  # a stop word or max tokens: the LLM API would go on
                 self._finish(life, reason, completion)
+                if not output.finished:  # a stop word or max tokens: the LLM API would go on
+                    _abort_quietly(entry.result)
                 return True
         if output.finished:
-            reason = FINISH_REASONS.get(completion.finish_reason, FINISH_ERROR)
+            reason = LLM_FINISH.get(completion.finish_reason, FINISH_ERROR)
             error = None if reason != FINISH_ERROR else f"TensorRT-LLM finished it: {completion.finish_reason}"
             self._finish(life, reason, completion, error)
             return True
@@ -179,24 +207,47 @@ class LlmApiEngine(BlockingGenerate):
         return False
 
     def _finish(self, life: Lifecycle, reason: str, completion, error: str | None = None) -> None:
-        """The final emission, with what the request's perf metrics say: the KV cache blocks an earlier request left,
-        and when the scheduler first took it (its steady-clock times are timedeltas; the arrival is the LLM's own)."""
+        """The final emission, with what the request's perf metrics say (on a finished step only): the KV cache
+        blocks an earlier request left, and when the scheduler took it and its first and last tokens came (steady-
+        clock timedeltas from the LLM's own arrival, more exact than this loop's: a whole answer comes in one step)."""
         metrics = completion.request_perf_metrics
         if metrics is not None:
-            life.cached = metrics.kv_cache_metrics.num_reused_blocks * self.tokens_per_block
+            reused = metrics.kv_cache_metrics.num_reused_blocks * TOKENS_PER_BLOCK
+            life.cached = min(reused, len(life.request.input_ids))  # a partly reused last block counts whole
             timing = metrics.timing_metrics
-            if timing.first_scheduled_time and timing.arrival_time:
-                waited = (timing.first_scheduled_time - timing.arrival_time).total_seconds()
-                life.scheduled = life.submitted + max(waited, 0.0)
+            if timing.arrival_time:
+                for name, time in (
+                    ("scheduled", timing.first_scheduled_time),
+                    ("first_token", timing.first_token_time),
+                    ("last_token", timing.last_token_time),
+                ):
+                    if time:
+                        setattr(life, name, life.submitted + max((time - timing.arrival_time).total_seconds(), 0.0))
         life.finish(reason, error)
+
+
+def _abort_quietly(result) -> None:
+    """Ask the LLM to drop a request whose end is already decided here; its failure changes nothing for the client."""
+    try:
+        result.abort()
+    except Exception:
+        log.exception("tensorrt_llm: aborting request %s failed", getattr(result, "request_id", "?"))
+
+
+def _log_failure(future: Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("tensorrt_llm: a request's coroutine failed", exc_info=future.exception())
 
 
 def token_log_probs(token: int, position: dict, wanted: int) -> TokenLogProbs:
     """The chosen token's log probability and, when asked, the `wanted` most likely tokens', from the LLM API's
-    {token: Logprob(logprob, rank)} of one position (the k most likely, and the chosen one beyond them)."""
+    {token: Logprob(logprob, rank)} of one position (the k most likely, and the chosen one beyond them). The chosen
+    one's is required: a position without it fails the request, naming the token, rather than invent a value."""
     chosen = position.get(token)
     if chosen is None:
         raise RuntimeError(f"TensorRT-LLM returned no log probability for the chosen token {token}")
-    ranked = sorted(position.items(), key=lambda item: math.inf if item[1].rank is None else item[1].rank)
+    ranked = sorted(
+        position.items(), key=lambda item: (math.inf if item[1].rank is None else item[1].rank, -item[1].logprob)
+    )
     top = tuple((t, p.logprob) for t, p in ranked[:wanted]) if wanted > 0 else ()
     return TokenLogProbs(chosen.logprob, top)

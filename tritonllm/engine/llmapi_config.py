@@ -3,7 +3,7 @@
 TensorRT-LLM's LLM API (PyTorch backend, no engine build) loads the Hugging Face checkpoint itself. The build
 writes the arguments beside the engine model as llm_api.json, plain JSON as NVIDIA's llmapi model.yaml holds them:
 the LLM's own argument model turns the nested dicts into its config objects, so the file is what a reviewer checks
-against `tensorrt_llm/llmapi/llm_args.py` of the pinned release (docs/gpu.md lists each name with its source).
+against `tensorrt_llm/llmapi/llm_args.py` of the pinned release (docs/llmapi.md lists each name with its source).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ LLM_API_CONFIG_FILE = "llm_api.json"  # beside the engine model, as ENGINE_CONFI
 LLM_API_DTYPES = ("auto", "float16", "bfloat16", "float32")
 # KvCacheConfig.dtype: "auto" keeps the checkpoint's (a ModelOpt checkpoint may say fp8); fp8 quantizes the cache.
 KV_CACHE_DTYPES = {"none": "auto", "fp8": "fp8"}
-TOKENS_PER_BLOCK = 32  # the LLM API's KV cache block (TorchLlmArgs.tokens_per_block's default), for the reuse counts
+TOKENS_PER_BLOCK = 32  # the LLM API's KV cache block (KvCacheConfig.tokens_per_block's default), for the reuse counts
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,13 @@ class LlmApiConfig:
         "LLM API flavor: keep finished requests' KV cache blocks and start a later prompt with the same beginning "
         "from them (KvCacheConfig.enable_block_reuse)",
     )
+    llm_api_sampler: str = option(
+        "TRTLLMSampler",
+        "LLM API flavor: the sampler (TorchLlmArgs.sampler_type): TRTLLMSampler, TensorRT-LLM's C++ sampling layers, "
+        "which apply the penalties, seeds and minimum length as its engine flavor does; TorchSampler or auto "
+        "(TensorRT-LLM's choice, TorchSampler), whose penalties and seeds are not known to be honoured in 1.2.1",
+        choices=("TRTLLMSampler", "TorchSampler", "auto"),
+    )
     llm_api_cuda_graphs: bool = option(
         True,
         "LLM API flavor: run decoding steps of up to --max-batch-size requests as CUDA graphs "
@@ -61,10 +68,6 @@ class LlmApiConfig:
                 "is prefilled in one step; raise --max-num-tokens or lower --max-input-len"
             )
 
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
     def llm_kwargs(self) -> dict:
         """`tensorrt_llm.LLM(**kwargs)` for this configuration, as plain JSON values."""
         graphs = {"max_batch_size": self.max_batch_size, "enable_padding": True} if self.llm_api_cuda_graphs else None
@@ -83,6 +86,7 @@ class LlmApiConfig:
                 "dtype": self.kv_cache_dtype,
             },
             "cuda_graph_config": graphs,
+            "sampler_type": self.llm_api_sampler,
             # The grammar engine TensorRT-LLM compiles guides with (the engine flavor's too): guided requests need it.
             "guided_decoding_backend": "xgrammar",
             # Per-request KV cache counts and times, which return_perf_metrics asks for.

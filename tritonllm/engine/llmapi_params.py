@@ -1,7 +1,7 @@
 """An engine request in the names of TensorRT-LLM's LLM API: `SamplingParams` and `GuidedDecodingParams` arguments.
 
-Names and rules are those of `tensorrt_llm/sampling_params.py` in the pinned release (docs/gpu.md lists each with its
-source line). What the engine interface asks that SamplingParams has no field for is done beside it:
+Names and rules are those of `tensorrt_llm/sampling_params.py` as read for the pinned release (docs/llmapi.md lists
+each with its source line). What the engine interface asks that SamplingParams has no field for is done beside it:
 - stop words end a request in tritonllm/engine/lifecycle.py, as in every engine: the tokens are checked as they come
   and the request is aborted on a match (SamplingParams' `stop_token_ids` stops on single tokens only, and strips
   them from the output, which TensorRT-LLM's C++ executor does not);
@@ -46,18 +46,18 @@ def sampling_kwargs(request: GenerationRequest) -> dict:
         if sampling.top_p < 1.0:
             kwargs["top_p"] = sampling.top_p
     penalties = request.penalties
-    kwargs["min_tokens"] = penalties.min_tokens
+    if request.end_id >= 0:  # the end id banned for the first tokens: nothing to ban without one
+        kwargs["min_tokens"] = penalties.min_tokens
     if penalties.repetition != 1.0:
         kwargs["repetition_penalty"] = penalties.repetition
     if penalties.presence or penalties.frequency:
-        # TensorRT-LLM applies presence and frequency after the temperature, counting the prompt's tokens too. A
-        # request under that rule had them scaled by its temperature (tritonllm/backend/engine_io.py): divided back.
-        # Under OpenAI's (before the temperature, generated tokens only): divided by the temperature the draw uses,
-        # and prompt_ignore_length leaves the prompt's tokens out of the counts.
-        if penalties.count_prompt:
-            scale = penalties.temperature_scale or 1.0
-        else:
-            scale = sampling.temperature if sampling.sample else 1.0
+        # TensorRT-LLM subtracts presence and frequency after dividing the logits by the temperature; the engine
+        # request's are for before it (the engine model scaled a TensorRT-LLM-rule request's by its temperature,
+        # tritonllm/backend/engine_io.py), so they are divided by the temperature this draw uses. A greedy request
+        # is sent no temperature: its values stay as they are, which keeps the engine flavor's argmax. OpenAI's rule
+        # counts the generated tokens only: prompt_ignore_length leaves the prompt's out.
+        scale = sampling.temperature if sampling.sample else 1.0
+        if not penalties.count_prompt:
             kwargs["prompt_ignore_length"] = len(request.input_ids)
         kwargs["presence_penalty"] = penalties.presence / scale
         kwargs["frequency_penalty"] = penalties.frequency / scale
@@ -66,19 +66,20 @@ def sampling_kwargs(request: GenerationRequest) -> dict:
     return kwargs
 
 
-def token_rules(request: GenerationRequest, cls: type[TokenRules]) -> TokenRules | None:
-    """The request's logits processor (`cls`: TokenRules or a subclass), when it bans words or biases tokens."""
+def token_rules(request: GenerationRequest) -> TokenRules | None:
+    """The request's logits processor, when it bans words or biases tokens."""
     if not request.bad_words and not request.embedding_bias:
         return None
-    return cls(request.bad_words, request.embedding_bias)
+    return TokenRules(request.bad_words, request.embedding_bias)
 
 
 class TokenRules:
     """Bad words and the embedding bias on one request's logits, in place, as TensorRT-LLM's `LogitsProcessor.__call__`
     is called: (req_id, logits, token_ids, stream_ptr, client_id), `token_ids` one list per beam. A word's last token
     is banned where the sequence ends with the rest of it (TensorRT-LLM's banWords rule); the bias is added to the
-    logits of its tokens. The engine registers it as a subclass of the release's LogitsProcessor
-    (tritonllm/engine/llmapi.py), which is an abstract base with this one method."""
+    logits of its tokens. The engine registers it under the release's LogitsProcessor (tritonllm/engine/llmapi.py),
+    an abstract base with this one method; it is pickled to TensorRT-LLM's workers, so it holds plain values only
+    until its first call."""
 
     def __init__(self, bad_words: tuple[tuple[int, ...], ...], bias: tuple[tuple[int, float], ...]) -> None:
         self.bad_words = bad_words

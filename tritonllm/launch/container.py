@@ -21,7 +21,11 @@ from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
 from tritonllm.repository import builder
 from tritonllm.repository.plan import LLM_API
 from tritonllm.repository.render import stale_build
+from tritonllm.trtllm import docker
 from tritonllm.trtllm.engine_dir import EngineError, check_version, read_engine
+from tritonllm.versions import TRTLLM_VERSION
+
+LLM_API_LAUNCHER = "trtllm-llmapi-launch"  # TensorRT-LLM's: tritonserver on rank 0, an LLM API worker on the others
 
 
 def build_once(build_args: list[str], build_dir: Path) -> int:
@@ -36,6 +40,15 @@ def build_once(build_args: list[str], build_dir: Path) -> int:
     if code == 0:
         stamp.write_text(json.dumps(build_args))
     return code
+
+
+def check_llm_api_release(running: str) -> None:
+    """The LLM API flavor's arguments and request mapping are written against the pinned release."""
+    if running != TRTLLM_VERSION:
+        raise EngineError(
+            f"this image runs TensorRT-LLM {running}; the {LLM_API} flavor is written against {TRTLLM_VERSION} "
+            f"(tritonllm/versions.py): serve in {docker.IMAGE_TAG} (`make build ENGINE={LLM_API}` builds it)"
+        )
 
 
 def check_mpirun(what: str, tp_size: int, pp_size: int) -> None:
@@ -59,9 +72,16 @@ def launch(build_dir: Path, exit_timeout: int) -> None:
         check_mpirun(f"engine {info.path}", info.tp_size, info.pp_size)
         world_size = info.world_size
     elif manifest["engine"] == LLM_API:
+        check_llm_api_release(version("tensorrt_llm"))
         check_mpirun(f"model {manifest['model_dir']}", manifest["tp_size"], manifest["pp_size"])
         world_size = manifest["tp_size"] * manifest["pp_size"]
-        rank_launcher = ["trtllm-llmapi-launch"]
+        if world_size > 1:
+            rank_launcher = [LLM_API_LAUNCHER]
+            if shutil.which(LLM_API_LAUNCHER) is None:
+                raise EngineError(
+                    f"{LLM_API_LAUNCHER} is not on PATH: TensorRT-LLM installs it; run in the trtllm target of "
+                    "./Dockerfile, or rebuild with --tp 1 --pp 1"
+                )
     command = server_command(
         CONTAINER_BINARY,
         build_dir / "model_repository",

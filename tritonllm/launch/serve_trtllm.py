@@ -77,15 +77,12 @@ def installed_trtllm() -> str:
 
 
 def check_release(build: ServedBuild, running: str) -> None:
-    """A TensorRT engine runs only under the release that built it; the LLM API flavor's arguments and request
-    mapping are written against the pinned release (tritonllm/engine/llmapi.py)."""
+    """A TensorRT engine runs only under the release that built it; the LLM API flavor is written against the pinned
+    release (container.check_llm_api_release)."""
     if build.engine_info is not None:
         check_version(build.engine_info, running)
-    elif running != build.version:
-        raise EngineError(
-            f"this image runs TensorRT-LLM {running}; the LLM API flavor is written against {build.version} "
-            f"(tritonllm/versions.py): serve in {docker.IMAGE_TAG} (`make build ENGINE={LLM_API}` builds it)"
-        )
+    else:
+        container.check_llm_api_release(running)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -204,7 +205,8 @@ class LLM:
     ) -> RequestOutput:
         if lora_request is not None:
             raise ValueError("lora_request: no LoRA is configured")  # as the release: only with lora_config
-        params = sampling_params or SamplingParams()
+        # The release pickles a request, logits processor included, to its worker processes.
+        params = pickle.loads(pickle.dumps(sampling_params or SamplingParams()))
         ids = inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs
         perf = bool(params.return_perf_metrics or self.args.get("return_perf_metrics"))
         result = RequestOutput(self, next(self._ids), streaming, perf)
@@ -214,13 +216,13 @@ class LLM:
     def _request(self, ids: list[int], params: SamplingParams) -> GenerationRequest:
         for name in _NEVER_SENT:
             if getattr(params, name):
-                raise NotImplementedError(f"SamplingParams.{name}: the project never sends it")
+                raise ValueError(f"SamplingParams.{name}: the project never sends it")
         if params.logits_processor is not None:
-            raise NotImplementedError("logits_processor: this stand-in's llama.cpp model takes none")
+            raise ValueError("logits_processor: this stand-in's llama.cpp model takes none")
         if params.n != 1 or params.best_of != 1:
-            raise NotImplementedError("n and best_of: the project sends each sequence as a request of its own")
+            raise ValueError("n and best_of: the project sends each sequence as a request of its own")
         if params.prompt_ignore_length not in (None, len(ids)):
-            raise NotImplementedError("prompt_ignore_length: the project leaves out the whole prompt or none")
+            raise ValueError("prompt_ignore_length: the project leaves out the whole prompt or none")
         if params.ignore_eos:
             end_id = -1
         elif params.end_id is not None:

@@ -83,3 +83,5 @@ SamplingParams = dataclasses.make_dataclass(
     namespace={"__post_init__": _post_init},
     kw_only=True,
 )
+# Picklable, as the release's are: its requests travel pickled to the worker processes.
+SamplingParams.__module__ = GuidedDecodingParams.__module__ = __name__

@@ -4,11 +4,14 @@ requests on the built model through llama.cpp."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
+import pickle
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ from tests.conftest import BUILD, ROOT
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.llmapi_config import LlmApiConfig
 from tritonllm.engine.llmapi_params import TokenRules, guided_decoding_kwargs, sampling_kwargs, token_rules
-from tritonllm.errors import InputError
+from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 
 STANDINS = ROOT / "tests" / "standins"
@@ -97,7 +100,7 @@ def every_control(**changes) -> GenerationRequest:
         stop_words=((5, 6),),
         bad_words=((8,), (9, 10)),
         streaming=True,
-        penalties=Penalties(1.2, 0.5, 0.25, 3, count_prompt=True, temperature_scale=0.5),
+        penalties=Penalties(1.2, 0.5, 0.25, 3, count_prompt=True),
         embedding_bias=((11, -2.0),),
         log_probs=3,
         guide=Guide("regex", "(yes|no)"),
@@ -124,19 +127,19 @@ def test_every_control_maps_to_a_sampling_params_field(standin):
         "frequency_penalty": 0.5,
         "logprobs": 3,
     }
-    rules = token_rules(request, TokenRules)
+    rules = token_rules(request)
     params = standin.SamplingParams(
         **kwargs,
         guided_decoding=standin.sampling_params.GuidedDecodingParams(**guided_decoding_kwargs(request.guide)),
     )
     assert params.pad_id == 2 and rules.bad_words == ((8,), (9, 10)) and rules.bias_ids == [11]
-    assert token_rules(every_control(bad_words=(), embedding_bias=()), TokenRules) is None
+    assert token_rules(every_control(bad_words=(), embedding_bias=())) is None
 
 
 def test_greedy_requests_leave_the_draw_unset_and_no_end_id_ignores_eos(standin):
     kwargs = sampling_kwargs(GenerationRequest([1, 2], 4))
-    assert not {"temperature", "top_k", "top_p", "seed", "end_id"} & set(kwargs)
-    assert kwargs["ignore_eos"] is True and kwargs["min_tokens"] == 0
+    assert not {"temperature", "top_k", "top_p", "seed", "end_id", "min_tokens"} & set(kwargs)
+    assert kwargs["ignore_eos"] is True
     standin.SamplingParams(**kwargs)
 
 
@@ -253,9 +256,125 @@ def test_a_guide_is_honoured_and_a_bad_one_refused_at_submission(engine, tokeniz
         engine.submit(GenerationRequest(ids, 8, guide=Guide("regex", "(unclosed")), lambda e: None)
 
 
+def test_every_controls_params_pickle_for_the_workers(engine):
+    """TensorRT-LLM pickles a request to its worker processes, its logits processor too."""
+    params = pickle.loads(pickle.dumps(engine._sampling_params(every_control())))
+    assert isinstance(params.logits_processor, engine.api.LogitsProcessor)
+    assert params.logits_processor.bad_words == ((8,), (9, 10)) and params.guided_decoding.regex == "(yes|no)"
+
+
 def test_a_request_the_llm_fails_ends_alone_with_its_error(engine, prompt):
     # The stand-in's llama.cpp model takes no logits processor: the LLM refuses the request, the engine goes on.
     (failed,) = collect(engine, GenerationRequest(prompt, 4, bad_words=((5,),)))
     assert failed.finish_reason == FINISH_ERROR and "logits_processor" in failed.error
     (after,) = collect(engine, GenerationRequest(prompt, 4))
     assert after.finish_reason == FINISH_LENGTH and engine.alive()
+
+
+# ------------------------------------------------------------------ failures, with a scripted LLM
+
+
+class ScriptedResult:
+    """A RequestOutput whose steps the test gives: token lists, then an exception or a finish reason; or none (it
+    waits until aborted). Its abort can be made to raise."""
+
+    def __init__(self, steps, abort_raises: bool):
+        self.steps, self.abort_raises, self.finished, self.aborted = list(steps), abort_raises, False, asyncio.Event()
+        self.request_id, self.tokens, self.outputs = 1, [], []
+
+    def abort(self):
+        self.aborted.set()
+        if self.abort_raises:
+            raise RuntimeError("the executor is gone")
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.finished:
+            raise StopAsyncIteration
+        if not self.steps:
+            await self.aborted.wait()
+            self.steps = [("cancelled", [])]
+        reason, new = self.steps.pop(0)
+        if isinstance(reason, Exception):
+            raise reason
+        before, self.tokens = len(self.tokens), self.tokens + new
+        self.finished = reason is not None
+        diff = self.tokens[before:]
+        self.outputs = [SimpleNamespace(token_ids_diff=diff, finish_reason=reason, request_perf_metrics=None)]
+        return self
+
+
+class ScriptedLLM:
+    def __init__(self, **kwargs):
+        self.script, self.abort_raises, self.results = [], False, []
+
+    def generate_async(self, inputs, sampling_params=None, streaming=False):
+        result = ScriptedResult(self.script, self.abort_raises)
+        self.results.append(result)
+        return result
+
+    def shutdown(self):
+        self.shut = True
+
+
+@pytest.fixture
+def scripted(standin):
+    from tensorrt_llm.sampling_params import GuidedDecodingParams, LogitsProcessor
+
+    from tritonllm.engine.llmapi import LlmApi, LlmApiEngine
+
+    api = LlmApi("1.2.1", ScriptedLLM, standin.SamplingParams, GuidedDecodingParams, LogitsProcessor)
+    eng = LlmApiEngine({"model": "unused"}, api)
+    yield eng
+    eng.shutdown()
+
+
+def test_a_failing_abort_still_ends_the_request_once(scripted):
+    scripted.llm.script, scripted.llm.abort_raises = [(None, [5, 6, 7])], True  # max tokens reached mid-step
+    emissions = collect(scripted, GenerationRequest([1], 2), timeout=10)
+    assert [(e.token_ids, e.finish_reason) for e in emissions] == [([5, 6], FINISH_LENGTH)]
+    assert scripted.llm.results[0].aborted.is_set() and scripted.running() == 0
+
+
+def test_an_error_mid_stream_ends_the_request_with_it(scripted):
+    scripted.llm.script = [(None, [5]), (RuntimeError("worker died"), [])]
+    emissions = collect(scripted, GenerationRequest([1], 9, streaming=True), timeout=10)
+    assert emissions[0].token_ids == [5] and emissions[-1].finish_reason == FINISH_ERROR
+    assert "worker died" in emissions[-1].error and scripted.alive()
+
+
+def test_cancel_before_and_after_the_llm_has_it(scripted):
+    scripted._loop.call_soon_threadsafe(time.sleep, 0.3)  # the loop is busy: the cancel lands before the request
+    done, emissions = threading.Event(), []
+    engine_id = scripted.submit(GenerationRequest([1], 9), lambda e: (emissions.append(e), done.set()))
+    scripted.cancel(engine_id)
+    assert done.wait(10) and emissions[-1].finish_reason == FINISH_CANCELLED
+    assert scripted.llm.results == []  # never reached the LLM
+    scripted.llm.script = [("length", [5])]
+    (finished,) = collect(scripted, GenerationRequest([1], 9), timeout=10)
+    scripted.cancel("1")  # already finished: nothing to abort
+    time.sleep(0.1)
+    assert finished.finish_reason == FINISH_LENGTH
+    assert not scripted.llm.results[0].aborted.is_set()
+
+
+def test_shutdown_ends_the_requests_in_flight_and_refuses_new_ones(scripted):
+    scripted.llm.script = []  # runs until aborted
+    done, emissions = threading.Event(), []
+    scripted.submit(GenerationRequest([1], 9, streaming=True), lambda e: (emissions.append(e), done.set()))
+    time.sleep(0.1)
+    scripted.shutdown()
+    assert done.wait(10) and emissions[-1].finish_reason == FINISH_ERROR and "shutting down" in emissions[-1].error
+    assert scripted.llm.results[0].aborted.is_set() and not scripted.alive()
+    with pytest.raises(EngineFailure, match="shutting down"):
+        scripted.submit(GenerationRequest([1], 9), lambda e: None)
+
+
+def test_every_finish_reason_of_the_release_is_mapped(standin):
+    from tensorrt_llm.surface import FINISH_REASONS
+
+    from tritonllm.engine.llmapi import LLM_FINISH
+
+    assert set(LLM_FINISH) == set(FINISH_REASONS)

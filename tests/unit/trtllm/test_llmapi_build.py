@@ -85,6 +85,7 @@ def launched(tmp_path: Path, monkeypatch, manifest: dict, *options: str) -> list
     ran = []
     monkeypatch.setattr(container.os, "execvp", lambda binary, command: ran.append(command))
     monkeypatch.setattr(container.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(container, "version", lambda name: "1.2.1")
     assert container.main(["launch", str(out)]) == 0
     return ran[0]
 
@@ -114,5 +115,17 @@ def test_serve_checks_gpus_and_mounts_the_checkpoint(tmp_path, monkeypatch, mani
     monkeypatch.setattr(docker, "host_problems", lambda gpus_needed: needed.append(gpus_needed) or ["no GPU here"])
     assert serve_trtllm.main(["--build-dir", str(out)]) == 1
     assert needed == [2]
-    with pytest.raises(EngineError, match=r"this image runs TensorRT-LLM 1\.3\.0; the LLM API flavor is written"):
+    with pytest.raises(EngineError, match=r"this image runs TensorRT-LLM 1\.3\.0; the trtllm-llmapi flavor is written"):
         serve_trtllm.check_release(served, "1.3.0")
+
+
+def test_the_entrypoint_refuses_another_release_and_a_missing_launcher(tmp_path, monkeypatch, manifest, capsys):
+    out = build(tmp_path, manifest, "--tp", "2")
+    monkeypatch.setattr(container.os, "execvp", lambda binary, command: pytest.fail("started"))
+    monkeypatch.setattr(container, "version", lambda name: "1.3.0")
+    assert container.main(["launch", str(out)]) == 1
+    assert "runs TensorRT-LLM 1.3.0" in capsys.readouterr().err
+    monkeypatch.setattr(container, "version", lambda name: "1.2.1")
+    monkeypatch.setattr(container.shutil, "which", lambda name: None if name == "trtllm-llmapi-launch" else name)
+    assert container.main(["launch", str(out)]) == 1
+    assert "trtllm-llmapi-launch is not on PATH" in capsys.readouterr().err
