@@ -20,7 +20,7 @@ from pathlib import Path
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, GGUF_AS_IS, EngineConfig
 from tritonllm.engine.llmapi_config import LlmApiConfig
 from tritonllm.engine.synthetic import SyntheticConfig
-from tritonllm.options import add_options
+from tritonllm.options import add_options, option_fields
 from tritonllm.repository.model_source import ModelSourceError, gguf_source, resolve_model
 from tritonllm.repository.plan import (
     DEFAULT_ADMITTED,
@@ -170,8 +170,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def flavor_options() -> dict[str, set[str]]:
+    """The options each --engine reads beyond those every one does (model, lengths, batch, queue, deployment)."""
+    from tritonllm.trtllm.engine_build import TrtllmBuildOptions
+
+    def names(cls) -> set[str]:
+        return {f.name for f in option_fields(cls)}
+
+    fraction = "kv_cache_free_gpu_mem_fraction"
+    return {
+        "portable": names(EngineConfig) | {"kv_cache_gib"},
+        "synthetic": names(SyntheticConfig),
+        "trtllm": names(TrtllmBuildOptions) | {fraction, "engine_dir", "engine_only"},
+        LLM_API: names(LlmApiConfig) | {"tp_size", "pp_size", "max_num_tokens", "kv_cache_quant", "quant", fraction},
+    }
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """The build's arguments; another engine's option, given, is an error naming it (it would be ignored)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    by_flavor = flavor_options()
+    own = by_flavor[args.engine]
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    for dest in sorted(set().union(*by_flavor.values()) - own):
+        if getattr(args, dest) != parser.get_default(dest):
+            owners = ", ".join(flavor for flavor, dests in by_flavor.items() if dest in dests)
+            parser.error(f"{flags[dest]} is an option of --engine {owners}; this build is --engine {args.engine}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

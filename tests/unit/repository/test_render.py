@@ -359,7 +359,7 @@ def test_each_option_is_a_flag_with_its_fields_default():
     args = parse_args([])
     for option in [*engine_options(), *option_fields(TrtllmBuildOptions)]:
         assert getattr(args, option.name) == option.default, option.name
-    assert parse_args(["--tp", "2"]).tp_size == 2
+    assert parse_args(["--engine", "trtllm", "--tp", "2"]).tp_size == 2
 
 
 def test_the_build_writes_the_engine_config_once_as_engine_json(manifest, tmp_path):

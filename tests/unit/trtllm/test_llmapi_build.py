@@ -70,6 +70,21 @@ def test_bad_options_are_refused_by_name(tmp_path, manifest, capsys, options, me
     assert re.search(message, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine", "trtllm-llmapi", "--prefix-cache"], "--prefix-cache is an option of --engine portable;"),
+        (["--engine", "trtllm-llmapi", "--engine-dir", "/e"], "--engine-dir is an option of --engine trtllm;"),
+        (["--engine", "portable", "--no-kv-cache-reuse"], "--kv-cache-reuse is an option of --engine trtllm-llmapi;"),
+        (["--engine", "synthetic", "--tp", "2"], "--tp is an option of --engine trtllm, trtllm-llmapi;"),
+    ],
+)
+def test_another_engines_option_is_refused_by_name(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        builder_main([*argv, "--build-dir", str(tmp_path)])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_an_fp8_kv_cache_and_no_cuda_graphs_reach_the_llm_arguments(tmp_path, manifest):
     out = build(tmp_path, manifest, "--kv-cache-quant", "fp8", "--no-llm-api-cuda-graphs", "--no-kv-cache-reuse")
     written = json.loads((out / "model_repository" / "tensorrt_llm_decoupled" / "1" / LLM_API_CONFIG_FILE).read_text())
