@@ -68,6 +68,7 @@ def test_the_ensemble_and_the_bls_answer_as_the_portable_flavor(llmapi_server, s
         {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 11},
         {"temperature": 0.7, "top_p": 0.95, "seed": 3, "presence_penalty": 0.6, "frequency_penalty": 0.4},
         {"repetition_penalty": 1.3, "min_tokens": 20},
+        {"temperature": 0.5, "presence_penalty": 0.6, "frequency_penalty": 0.6},  # greedy, with a temperature
         {"presence_penalty": 0.5, "openai_penalties": True, "temperature": 0.9, "top_k": 20, "seed": 5},
     ],
     ids=lambda o: ",".join(o),
