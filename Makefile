@@ -55,15 +55,16 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 QUANT ?= none
 TP ?= 1
 PP ?= 1
-# ENGINE=trtllm-llmapi: TensorRT-LLM's LLM API (PyTorch backend) on the Hugging Face folder, in the same image.
+# ENGINE=trtllm-llmapi: TensorRT-LLM's LLM API (PyTorch backend) on the Hugging Face folder, in the same image. Its
+# build only renders (no engine to build, anywhere); `make serve` builds the image first.
 TRTLLM_FLAVORS := trtllm trtllm-llmapi
 TRTLLM_ARGS := $(if $(filter $(TRTLLM_FLAVORS),$(ENGINE)),--quant $(QUANT) --tp $(TP) --pp $(PP))
 
-build: $(VENV)/.installed $(if $(filter $(TRTLLM_FLAVORS),$(ENGINE)),trtllm-image)
+build: $(VENV)/.installed $(if $(filter trtllm,$(ENGINE)),trtllm-image)
 	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR) $(if $(MODEL),--model "$(MODEL)") \
 		$(TRTLLM_ARGS) $(BUILD_ARGS)
 
-serve:
+serve: $(if $(filter trtllm-llmapi,$(ENGINE)),trtllm-image)
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
 ifneq ($(filter $(TRTLLM_FLAVORS),$(ENGINE)),)
 	$(PY) -m tritonllm serve-trtllm --build-dir $(BUILD_DIR) --host $(HOST) \

@@ -2,6 +2,7 @@
 
 python -m tritonllm.launch.container build-once -- BUILD_ARGS   build_engines.py unless already built
 python -m tritonllm.launch.container launch BUILD_DIR           check the build, become tritonserver
+python -m tritonllm.launch.container launch BUILD_DIR --dry-run print the command line it would run
 python -m tritonllm.launch.container probe [GRPC_URL]           exit 0 when the engine answers (liveness)
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 from importlib.metadata import version
@@ -62,27 +64,29 @@ def check_mpirun(what: str, tp_size: int, pp_size: int) -> None:
         )
 
 
-def launch(build_dir: Path, exit_timeout: int) -> None:
-    """In the image: check the build, then become tritonserver (or mpirun with one rank per GPU)."""
+def launch_command(build_dir: Path, exit_timeout: int, in_image: bool = True) -> list[str]:
+    """The command line the image runs for this build: tritonserver, or mpirun with one rank per GPU. `in_image`:
+    check first what the image must have (the TensorRT-LLM release, mpirun, trtllm-llmapi-launch)."""
     manifest = json.loads((build_dir / "manifest.json").read_text())
     world_size, rank_launcher = 1, []
     if manifest["engine"] == "trtllm":
         info = read_engine(Path(manifest["engine_dir"]))
-        check_version(info, version("tensorrt_llm"))
-        check_mpirun(f"engine {info.path}", info.tp_size, info.pp_size)
+        if in_image:
+            check_version(info, version("tensorrt_llm"))
+            check_mpirun(f"engine {info.path}", info.tp_size, info.pp_size)
         world_size = info.world_size
     elif manifest["engine"] == LLM_API:
-        check_llm_api_release(version("tensorrt_llm"))
-        check_mpirun(f"model {manifest['model_dir']}", manifest["tp_size"], manifest["pp_size"])
         world_size = manifest["tp_size"] * manifest["pp_size"]
-        if world_size > 1:
-            rank_launcher = [LLM_API_LAUNCHER]
-            if shutil.which(LLM_API_LAUNCHER) is None:
+        rank_launcher = [LLM_API_LAUNCHER] if world_size > 1 else []
+        if in_image:
+            check_llm_api_release(version("tensorrt_llm"))
+            check_mpirun(f"model {manifest['model_dir']}", manifest["tp_size"], manifest["pp_size"])
+            if rank_launcher and shutil.which(LLM_API_LAUNCHER) is None:
                 raise EngineError(
                     f"{LLM_API_LAUNCHER} is not on PATH: TensorRT-LLM installs it; run in the trtllm target of "
                     "./Dockerfile, or rebuild with --tp 1 --pp 1"
                 )
-    command = server_command(
+    return server_command(
         CONTAINER_BINARY,
         build_dir / "model_repository",
         address="0.0.0.0",
@@ -94,6 +98,11 @@ def launch(build_dir: Path, exit_timeout: int) -> None:
         engine_model=manifest.get("engine_model", DECOUPLED_ENGINE_MODEL),
         rank_launcher=rank_launcher,
     )
+
+
+def launch(build_dir: Path, exit_timeout: int) -> None:
+    """In the image: check the build, then become its command line."""
+    command = launch_command(build_dir, exit_timeout)
     os.execvp(command[0], command)
 
 
@@ -109,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     start = commands.add_parser("launch", help="check the build, then become tritonserver")
     start.add_argument("build_dir", type=Path)
     start.add_argument("--exit-timeout", type=int, default=60)
+    start.add_argument(
+        "--dry-run", action="store_true", help="print the command line, without the image's checks, and exit"
+    )
     probe = commands.add_parser("probe", help="exit 0 when the engine answers")
     probe.add_argument("grpc_url", nargs="?", default=f"127.0.0.1:{PORTS['grpc']}")
     args = parser.parse_args(argv)
@@ -117,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         return build_once(build_args, builder.parse_args(build_args).build_dir)
     if args.command == "launch":
         try:
+            if args.dry_run:
+                print(shlex.join(launch_command(args.build_dir, args.exit_timeout, in_image=False)))
+                return 0
             launch(args.build_dir, args.exit_timeout)
         except EngineError as exc:
             print(f"launch: {exc}", file=sys.stderr)

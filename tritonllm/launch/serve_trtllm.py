@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             raise EngineError("\n  ".join([f"cannot serve the {build.engine} flavor here:", *problems]))
         if subprocess.run(["docker", "image", "inspect", docker.IMAGE_TAG], capture_output=True).returncode:
-            raise EngineError(f"image {docker.IMAGE_TAG} is missing: run `make build ENGINE=trtllm`")
+            make = "make build ENGINE=trtllm" if build.engine == "trtllm" else "make trtllm-image"
+            raise EngineError(f"image {docker.IMAGE_TAG} is missing: run `{make}`")
     except EngineError as exc:
         print(f"serve: {exc}", file=sys.stderr)
         return 1

@@ -121,6 +121,15 @@ def test_tensor_parallel_ranks_run_under_trtllm_llmapi_launch(tmp_path, monkeypa
     assert "shm-region-prefix-name=prefix1_" in ranks[1]
 
 
+def test_the_command_line_is_printed_for_review_outside_the_image(tmp_path, manifest, capsys):
+    out = build(tmp_path, manifest, "--tp", "2")
+    capsys.readouterr()
+    assert container.main(["launch", str(out), "--dry-run"]) == 0  # no tensorrt_llm, mpirun or launcher here
+    printed = capsys.readouterr().out.splitlines()[-1]  # after the note on the administrative APIs' key
+    assert printed.startswith("mpirun --allow-run-as-root --oversubscribe -n 1 trtllm-llmapi-launch ")
+    assert printed.count("trtllm-llmapi-launch") == 2
+
+
 def test_serve_checks_gpus_and_mounts_the_checkpoint(tmp_path, monkeypatch, manifest):
     out = build(tmp_path / "build", manifest, "--tp", "2")
     served = load_build(out)
