@@ -206,10 +206,8 @@ def test_a_stop_word_ends_the_request_and_aborts_it_in_the_llm(engine, prompt, t
     request = GenerationRequest(prompt, 24, end_id=tokenizer.eos_token_id, stop_words=(word,))
     (stopped,) = collect(engine, request)
     assert stopped.finish_reason == FINISH_STOP and stopped.token_ids == whole.token_ids[:7]
-    deadline = time.monotonic() + 10
-    while engine.llm._engine.running() and time.monotonic() < deadline:  # the LLM's request is aborted
-        time.sleep(0.05)
-    assert engine.llm._engine.running() == 0 and engine.running() == 0
+    assert until(lambda: engine.llm._engine.running() == 0)  # the LLM's request is aborted
+    assert until(lambda: engine.running() == 0)
 
 
 def test_the_end_id_ends_a_request_with_eos(engine, tokenizer):
@@ -274,6 +272,13 @@ def test_a_request_the_llm_fails_ends_alone_with_its_error(engine, prompt):
 # ------------------------------------------------------------------ failures, with a scripted LLM
 
 
+def until(condition, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(condition())
+
+
 class ScriptedResult:
     """A RequestOutput whose steps the test gives: token lists, then an exception or a finish reason; or none (it
     waits until aborted). Its abort can be made to raise."""
@@ -335,7 +340,8 @@ def test_a_failing_abort_still_ends_the_request_once(scripted):
     scripted.llm.script, scripted.llm.abort_raises = [(None, [5, 6, 7])], True  # max tokens reached mid-step
     emissions = collect(scripted, GenerationRequest([1], 2), timeout=10)
     assert [(e.token_ids, e.finish_reason) for e in emissions] == [([5, 6], FINISH_LENGTH)]
-    assert scripted.llm.results[0].aborted.is_set() and scripted.running() == 0
+    assert scripted.llm.results[0].aborted.is_set()
+    assert until(lambda: scripted.running() == 0)  # forgotten just after its final emission
 
 
 def test_an_error_mid_stream_ends_the_request_with_it(scripted):
@@ -364,7 +370,7 @@ def test_shutdown_ends_the_requests_in_flight_and_refuses_new_ones(scripted):
     scripted.llm.script = []  # runs until aborted
     done, emissions = threading.Event(), []
     scripted.submit(GenerationRequest([1], 9, streaming=True), lambda e: (emissions.append(e), done.set()))
-    time.sleep(0.1)
+    assert until(lambda: scripted.llm.results)  # the LLM has it
     scripted.shutdown()
     assert done.wait(10) and emissions[-1].finish_reason == FINISH_ERROR and "shutting down" in emissions[-1].error
     assert scripted.llm.results[0].aborted.is_set() and not scripted.alive()
