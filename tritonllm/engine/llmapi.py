@@ -64,11 +64,6 @@ class LlmApi:
         return cls(trt.__version__, trt.LLM, trt.SamplingParams, params.GuidedDecodingParams, params.LogitsProcessor)
 
 
-# TensorRT-LLM pickles a request's logits processor to its worker processes: a class at module level pickles, one
-# made at run time does not. TokenRules is registered under the release's abstract LogitsProcessor when the engine
-# starts (LlmApiEngine.__init__), so that it passes the release's isinstance checks.
-
-
 @dataclass(eq=False)
 class _Request:
     life: Lifecycle
@@ -79,6 +74,8 @@ class _Request:
 class LlmApiEngine(BlockingGenerate):
     def __init__(self, llm_kwargs: dict, api: LlmApi | None = None) -> None:
         self.api = api or LlmApi.load()
+        # A virtual subclass of the release's abstract LogitsProcessor passes its isinstance checks and, a class at
+        # module level, pickles: TensorRT-LLM pickles a request's logits processor to its worker processes.
         self.api.LogitsProcessor.register(TokenRules)
         self.max_batch_size = int(llm_kwargs.get("max_batch_size") or 1)
         self.llm = self.api.LLM(**llm_kwargs)  # loads the checkpoint; with tp/pp > 1, reaches every rank
