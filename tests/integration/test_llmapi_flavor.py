@@ -49,13 +49,9 @@ def llmapi_manifest(llmapi_server) -> dict:
     return json.loads((llmapi_server.repository.parent / "manifest.json").read_text())
 
 
-def test_the_engine_model_runs_the_llm_api(llmapi_server, llmapi_manifest):
+def test_the_ensemble_and_the_bls_answer_as_the_portable_flavor(llmapi_server, llmapi_manifest, server):
     assert llmapi_manifest["engine"] == "trtllm-llmapi"
-    log = llmapi_server.log_file.read_text()
-    assert "TensorRT-LLM 1.2.1 LLM API engine" in log
-
-
-def test_the_ensemble_and_the_bls_answer_as_the_portable_flavor(llmapi_server, server):
+    assert "TensorRT-LLM 1.2.1 LLM API engine" in llmapi_server.log_file.read_text()
     expected = generate(QUESTION, 24, url=server.http_url)
     assert generate(QUESTION, 24, url=llmapi_server.http_url) == expected
     streamed = "".join(c.text for c in stream(QUESTION, 24, url=f"{llmapi_server.host}:{llmapi_server.grpc_port}"))
@@ -65,19 +61,17 @@ def test_the_ensemble_and_the_bls_answer_as_the_portable_flavor(llmapi_server, s
 @pytest.mark.parametrize(
     "options",
     [
-        {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 11},
-        {"temperature": 0.7, "top_p": 0.95, "seed": 3, "presence_penalty": 0.6, "frequency_penalty": 0.4},
-        {"repetition_penalty": 1.3, "min_tokens": 20},
-        {"temperature": 0.5, "presence_penalty": 0.6, "frequency_penalty": 0.6},  # greedy, with a temperature
+        {"temperature": 0.7, "top_k": 40, "top_p": 0.95, "seed": 3, "presence_penalty": 0.6, "frequency_penalty": 0.4},
+        {"temperature": 0.5, "presence_penalty": 0.6, "repetition_penalty": 1.3, "min_tokens": 12},  # greedy
         {"presence_penalty": 0.5, "openai_penalties": True, "temperature": 0.9, "top_k": 20, "seed": 5},
     ],
-    ids=lambda o: ",".join(o),
+    ids=["sampled", "greedy-with-a-temperature", "openai-penalties"],
 )
 def test_sampling_and_penalties_reach_the_model_as_in_the_portable_flavor(llmapi_server, server, options):
     """The LLM API's names and rules (the temperature before presence and frequency, the prompt's tokens counted
     unless OpenAI's rule) translated back by the stand-in give the portable engine's draw on the same seed."""
-    expected = generate(QUESTION, 24, url=server.http_url, **options)
-    assert generate(QUESTION, 24, url=llmapi_server.http_url, **options) == expected
+    expected = generate(QUESTION, 16, url=server.http_url, **options)
+    assert generate(QUESTION, 16, url=llmapi_server.http_url, **options) == expected
 
 
 def test_nvidias_clients_are_answered(llmapi_server, server, tokenizer, manifest):
