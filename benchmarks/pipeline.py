@@ -40,7 +40,9 @@ import numpy as np
 from benchmarks.loadgen import Record, Targets, chat_token_ids, token_latencies
 from benchmarks.procs import alive, children, cpu_seconds, profiled, stub_pids
 
-PAIRS = {  # entry point -> the engine-alone target it is compared with
+PAIRS = {  # entry point -> the engine-alone target it is compared with (the engine alone: itself)
+    "engine_stream": "engine_stream",
+    "engine_whole": "engine_whole",
     "bls_grpc": "engine_stream",
     "bls_sse": "engine_stream",
     "openai_chat": "engine_stream",
@@ -267,13 +269,19 @@ class Bench:
         list(self.pool.map(time.sleep, [0.0] * args.clients))  # start them before anything is measured
 
     def run(
-        self, target: str, concurrency: int, seconds: float, profile_dir: Path | None = None, gil: bool = False
+        self,
+        target: str,
+        concurrency: int,
+        seconds: float,
+        profile_dir: Path | None = None,
+        gil: bool = False,
+        waits: bool = False,
     ) -> Level:
         """One level; with `profile_dir`, py-spy records every process of the server but tritonserver (C++) for
         the level's `seconds`."""
         groups = process_groups(self.server.process.pid, self.openai.process.pid if self.openai else None)
         spied = [(f"{name}-{pid}", str(pid)) for name, pids in groups.items() if name != "tritonserver" for pid in pids]
-        with profiled(profile_dir, f"{target}-c{concurrency}", max(1, int(seconds)), spied, gil):
+        with profiled(profile_dir, f"{target}-c{concurrency}", max(1, int(seconds)), spied, gil, waits):
             return self._run(target, concurrency, seconds, groups)
 
     def _run(self, target: str, concurrency: int, seconds: float, groups: dict[str, list[int]]) -> Level:
@@ -496,6 +504,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile-gil", action="store_true", help="with --profile-dir: only samples that hold the GIL (py-spy --gil)"
     )
+    parser.add_argument(
+        "--profile-waits",
+        action="store_true",
+        help="with --profile-dir: waiting threads too, with native frames (py-spy --idle --native, 50 Hz, pausing)",
+    )
     parser.add_argument("--build-args", nargs=argparse.REMAINDER, default=[], help="more build_engines.py options")
     args = parser.parse_args(argv)
     args.build_dir = args.build_dir.resolve()
@@ -540,7 +553,9 @@ def main(argv: list[str] | None = None) -> int:
                 for target in (PAIRS[name], name):
                     if (target, concurrency) in levels and target.startswith("engine"):
                         continue  # one engine baseline per kind and level, run just before its first entry point
-                    level = bench.run(target, concurrency, args.seconds, args.profile_dir, args.profile_gil)
+                    level = bench.run(
+                        target, concurrency, args.seconds, args.profile_dir, args.profile_gil, args.profile_waits
+                    )
                     levels[target, concurrency] = level
                     print(json.dumps(asdict(level)), flush=True)
     except RuntimeError as exc:  # what was measured until then is still written

@@ -45,10 +45,19 @@ SPY_OPTIONS: list[str] = ["--nonblocking", "--rate", "200"]  # py-spy options fo
 
 
 @contextlib.contextmanager
-def profiled(out: Path | None, label: str, seconds: int, pids: list[tuple[str, str]] | None = None, gil: bool = False):
+def profiled(
+    out: Path | None,
+    label: str,
+    seconds: int,
+    pids: list[tuple[str, str]] | None = None,
+    gil: bool = False,
+    waits: bool = False,
+):
     """py-spy on `pids` ((name, pid); default: the engine's and the streaming model's stubs) while the block
     runs, and the shared libraries each process has loaded (a stub embeds its own libpython). With `gil`, only
-    the samples of a thread holding the GIL: their count over `seconds` x the rate is how busy the GIL was."""
+    the samples of a thread holding the GIL: their count over `seconds` x the rate is how busy the GIL was. With
+    `waits`, every thread's samples, waiting ones too, down to their native frames (py-spy --idle --native, which
+    pauses the process for each sample: 50 a second): a wait called from Python code itself is one for the GIL."""
     if out is None:
         yield
         return
@@ -63,7 +72,8 @@ def profiled(out: Path | None, label: str, seconds: int, pids: list[tuple[str, s
     for name, pid in pids:
         maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
         (out / f"{label}-{name}-libs.txt").write_text("\n".join(sorted({m.split()[-1] for m in maps if ".so" in m})))
-        command = ["py-spy", "record", "--format", "raw", "--threads", *SPY_OPTIONS, *(["--gil"] if gil else [])]
+        options = ["--idle", "--native", "--rate", "50"] if waits else SPY_OPTIONS
+        command = ["py-spy", "record", "--format", "raw", "--threads", *options, *(["--gil"] if gil else [])]
         command += ["--duration", str(seconds)]
         command += ["--pid", pid, "--output", str(out / f"{label}-{name}.txt")]
         spies.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
