@@ -39,10 +39,10 @@ class EngineStreams:
     def __init__(self, parts: Parts, engine_model: str) -> None:
         self.parts, self.engine_model = parts, engine_model
 
-    def request(self, arrays: dict[str, np.ndarray]) -> StreamedRequest:
+    def request(self, arrays: dict[str, np.ndarray], prompt_ids: list[int] | None = None) -> StreamedRequest:
         """The choice's pipeline; a client mistake is the 400 that names it, as tensorrt_llm_bls would answer."""
         try:
-            return self.parts.request(arrays)
+            return self.parts.request(arrays, prompt_ids)
         except TritonLLMError as exc:
             raise APIError(exc.kind, str(exc)) from None
 

@@ -12,7 +12,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 import tritonclient.grpc as grpcclient
@@ -37,6 +37,15 @@ from tritonllm.text.pipeline import Parts, streaming_parameters
 from tritonllm.text.tokenizer import load_tokenizer
 
 T = TypeVar("T")
+
+
+class Prompt(NamedTuple):
+    """A prompt and its max_tokens, checked against the context. `ids`: its tokens as the preprocessing step makes
+    them, counted once and handed to the direct path's pipeline (None when choices go through tensorrt_llm_bls)."""
+
+    text: str
+    max_tokens: int
+    ids: list[int] | None = None
 
 
 class Generator:
@@ -92,11 +101,17 @@ class Generator:
             prompt = prompt[len(tokenizer.bos_token) :]
         return prompt
 
-    def budget(self, prompt: str, requested: int | None, param: str, prompt_param: str) -> int:
-        """max_tokens for this prompt: the request's (the body's `param`), checked against the context, or all the
-        room left; an over-long prompt is refused naming `prompt_param` (completions' `prompt`, chat's `messages`)."""
+    def budget(self, prompt: str, requested: int | None, param: str, prompt_param: str) -> Prompt:
+        """The prompt with its max_tokens: the request's (the body's `param`), checked against the context, or all
+        the room left; an over-long prompt is refused naming `prompt_param` (completions' `prompt`, chat's
+        `messages`)."""
         settings = self.settings
-        prompt_tokens = len(self.tokenizer(prompt)["input_ids"])  # as the preprocessing model counts them
+        # As the preprocessing step counts them; on the direct path its pipeline takes these ids as they are.
+        if self.direct is not None:
+            ids = self.direct.parts.preprocessor.tokenize_prompt(prompt)
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        prompt_tokens = len(ids)
         if prompt_tokens > settings.max_input_len:
             raise APIError(
                 ErrorKind.INVALID_INPUT,
@@ -106,9 +121,7 @@ class Generator:
                 code="context_length_exceeded",
             )
         room = settings.max_seq_len - prompt_tokens
-        if requested is None:
-            return room
-        if requested > room:
+        if requested is not None and requested > room:
             raise APIError(
                 ErrorKind.INVALID_INPUT,
                 f"This model's maximum context length is {settings.max_seq_len} tokens; the prompt "
@@ -116,17 +129,15 @@ class Generator:
                 param=param,
                 code="context_length_exceeded",
             )
-        return requested
+        return Prompt(prompt, room if requested is None else requested, ids if self.direct else None)
 
-    async def generate(
-        self, prompt: str, body: SamplingRequest, max_tokens: int, index: int
-    ) -> AsyncIterator[Generation]:
+    async def generate(self, prompt: Prompt, body: SamplingRequest, index: int) -> AsyncIterator[Generation]:
         """Stream one choice from Triton: deltas (finish_reason None), then a final Generation."""
         tensors = request_tensors(
-            prompt, max_tokens, **body.inputs(index, self.vocab_size, self.settings.engine_additions)
+            prompt.text, prompt.max_tokens, **body.inputs(index, self.vocab_size, self.settings.engine_additions)
         )
         if self.direct is not None:
-            pipeline = self.direct.request({name: value for name, value, _ in tensors})
+            pipeline = self.direct.request({name: value for name, value, _ in tensors}, prompt.ids)
             try:
                 async for outputs in self.direct.stream(self.client, pipeline):
                     yield response(Arrays(outputs), index, self.settings.kv_cache_block_tokens)
@@ -159,24 +170,22 @@ class Generator:
             if not finished:
                 responses.cancel()
 
-    async def run(self, prompts: list[str], body: SamplingRequest, max_tokens: list[int]) -> list[Generation]:
+    async def run(self, prompts: list[Prompt], body: SamplingRequest) -> list[Generation]:
         """Every choice of every prompt, whole; choice i is prompt i // n."""
 
         async def one(i: int) -> Generation:
             prompt_index, choice = divmod(i, body.n)
             whole = Generation(i)
-            async for generation in self.generate(prompts[prompt_index], body, max_tokens[prompt_index], choice):
+            async for generation in self.generate(prompts[prompt_index], body, choice):
                 whole.extend(generation)
             return whole
 
         return await gather_or_cancel(one(i) for i in range(len(prompts) * body.n))
 
-    async def merged(
-        self, prompts: list[str], body: SamplingRequest, max_tokens: list[int]
-    ) -> AsyncIterator[Generation]:
+    async def merged(self, prompts: list[Prompt], body: SamplingRequest) -> AsyncIterator[Generation]:
         """Deltas of every choice as they come, tagged with the choice index."""
         if len(prompts) * body.n == 1:  # one choice: its own stream, without a task and a queue per delta
-            async for generation in self.generate(prompts[0], body, max_tokens[0], 0):
+            async for generation in self.generate(prompts[0], body, 0):
                 yield generation
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -184,7 +193,7 @@ class Generator:
         async def pump(i: int) -> None:
             prompt_index, choice = divmod(i, body.n)
             try:
-                async for generation in self.generate(prompts[prompt_index], body, max_tokens[prompt_index], choice):
+                async for generation in self.generate(prompts[prompt_index], body, choice):
                     generation.index = i
                     await queue.put(generation)
             except Exception as exc:

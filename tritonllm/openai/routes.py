@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from tritonllm.errors import ErrorKind
 from tritonllm.openai.chat_models import ChatRequest
-from tritonllm.openai.generation import Generator, started
+from tritonllm.openai.generation import Generator, Prompt, started
 from tritonllm.openai.models import (
     APIError,
     CompletionRequest,
@@ -65,9 +65,10 @@ def sse(events: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-def check_min_tokens(body: SamplingRequest, limits: list[int]) -> None:
-    if body.min_tokens > min(limits):
-        raise invalid("min_tokens", f"is {body.min_tokens}, more than the {min(limits)} tokens max_tokens allows")
+def check_min_tokens(body: SamplingRequest, prompts: list[Prompt]) -> None:
+    limit = min(p.max_tokens for p in prompts)
+    if body.min_tokens > limit:
+        raise invalid("min_tokens", f"is {body.min_tokens}, more than the {limit} tokens max_tokens allows")
 
 
 async def completions(generator: Generator, body: CompletionRequest):
@@ -76,8 +77,8 @@ async def completions(generator: Generator, body: CompletionRequest):
     prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
     if not prompts or not all(prompts):
         raise invalid("prompt", "must be a non-empty string or list of non-empty strings")
-    limits = [generator.budget(p, body.max_tokens, "max_tokens", "prompt") for p in prompts]
-    check_min_tokens(body, limits)
+    budgets = [generator.budget(p, body.max_tokens, "max_tokens", "prompt") for p in prompts]
+    check_min_tokens(body, budgets)
     texts = generator.token_texts
     echoes = [p if body.echo else "" for p in prompts]  # choice i echoes prompt i // n
     model = generator.settings.model_name
@@ -87,7 +88,7 @@ async def completions(generator: Generator, body: CompletionRequest):
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     if not body.stream:
-        generations = await generator.run(prompts, body, limits)
+        generations = await generator.run(budgets, body)
         choices = []
         for g in generations:
             echo = echoes[g.index // body.n]
@@ -95,7 +96,7 @@ async def completions(generator: Generator, body: CompletionRequest):
             choices.append(choice(g.index, echo + g.text, logprobs, g.finish_reason))
         return {**base, "choices": choices, "usage": usage(generations, body.n)}
 
-    generations = await started(generator.merged(prompts, body, limits))
+    generations = await started(generator.merged(budgets, body))
 
     async def events():
         offsets = {}
@@ -196,8 +197,8 @@ async def chat_completions(generator: Generator, body: ChatRequest):
     except Exception as exc:
         raise invalid("messages", f"the messages do not fit the model's chat template: {exc}") from None
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    limit = generator.budget(prompt, body.max_completion_tokens or body.max_tokens, param, "messages")
-    check_min_tokens(body, [limit])
+    budget = generator.budget(prompt, body.max_completion_tokens or body.max_tokens, param, "messages")
+    check_min_tokens(body, [budget])
     texts = generator.token_texts
     model = generator.settings.model_name
     base = {
@@ -207,7 +208,7 @@ async def chat_completions(generator: Generator, body: ChatRequest):
         "model": model,
     }
     if not body.stream:
-        generations = await generator.run([prompt], body, [limit])
+        generations = await generator.run([budget], body)
         choices = []
         for g in generations:
             message, finish_reason = answer(body, g)
@@ -215,7 +216,7 @@ async def chat_completions(generator: Generator, body: ChatRequest):
             choices.append({"index": g.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         return {**base, "choices": choices, "usage": usage(generations, body.n)}
     base["object"] = "chat.completion.chunk"
-    generations = await started(generator.merged([prompt], body, [limit]))
+    generations = await started(generator.merged([budget], body))
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -80,8 +80,9 @@ class Parts:
         step = preprocessor({key: value.string_value for key, value in params.items()})
         return cls(wiring, step, Detokenizer(step.tokenizer, skip_special_tokens))
 
-    def request(self, arrays: dict[str, np.ndarray]) -> StreamedRequest:
-        return StreamedRequest(arrays, self.preprocessor, self.detokenizer, self.wiring)
+    def request(self, arrays: dict[str, np.ndarray], prompt_ids: list[int] | None = None) -> StreamedRequest:
+        """`prompt_ids`: the prompt's tokens when the caller has them from `preprocessor.tokenize_prompt`."""
+        return StreamedRequest(arrays, self.preprocessor, self.detokenizer, self.wiring, prompt_ids)
 
 
 @dataclass
@@ -126,7 +127,12 @@ class StreamedRequest:
     """One request: built from the client's tensors (raises InputError naming what it cannot take)."""
 
     def __init__(
-        self, arrays: dict[str, np.ndarray], preprocessor: Preprocessor, detokenizer: Detokenizer, wiring: Wiring
+        self,
+        arrays: dict[str, np.ndarray],
+        preprocessor: Preprocessor,
+        detokenizer: Detokenizer,
+        wiring: Wiring,
+        prompt_ids: list[int] | None = None,
     ) -> None:
         self.streaming = bool(scalar(arrays, "stream", 0))
         if (scalar(arrays, "beam_width", 0) or 1) != 1:
@@ -142,19 +148,21 @@ class StreamedRequest:
         self.detokenizer = detokenizer
         self.wiring = wiring
         self._arrays = arrays
-        self._tensors = {**arrays, **self._preprocess(arrays, preprocessor)}
+        self._tensors = {**arrays, **self._preprocess(arrays, preprocessor, prompt_ids)}
         stops = [as_text(v, "stop_words") for v in arrays["stop_words"].reshape(-1)] if "stop_words" in arrays else []
         self.stream = TextStream(detokenizer, stops)
         self.perf = bool(scalar(self._tensors, "return_perf_metrics", 0))
         self._whole = Delta()  # the deltas, when not streaming
         self._cum_log_prob = 0.0
 
-    def _preprocess(self, arrays: dict[str, np.ndarray], preprocessor: Preprocessor) -> dict[str, np.ndarray]:
+    def _preprocess(
+        self, arrays: dict[str, np.ndarray], preprocessor: Preprocessor, prompt_ids: list[int] | None
+    ) -> dict[str, np.ndarray]:
         """The ensemble's first step; its outputs under their ensemble tensor names."""
         wiring = self.wiring
         inputs = {key: arrays[name] for key, name in wiring.preprocess_inputs.items() if name in arrays}
         inputs.pop("STREAM", None)
-        (result,) = preprocessor.process([inputs])
+        (result,) = preprocessor.process([inputs], [prompt_ids])
         if isinstance(result, Exception):
             raise result
         return {wiring.preprocess_outputs[name]: a for name, a in result.items() if name in wiring.preprocess_outputs}

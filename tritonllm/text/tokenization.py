@@ -158,12 +158,21 @@ class Preprocessor:
             raise InputError(field, f"must be -1 or a token id below {self.limits.vocab_size}, got {value}")
         return int(value)
 
-    def process(self, requests: Sequence[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray] | InputError]:
-        """One result per request: its output tensors, or the InputError that rejects it."""
+    def tokenize_prompt(self, text: str) -> list[int]:
+        """A prompt's tokens as `process` makes them for a `text_input` sent without the chat template."""
+        return self.tokenizer([text], add_special_tokens=self.add_special_tokens)["input_ids"][0]
+
+    def process(
+        self, requests: Sequence[dict[str, np.ndarray]], known_ids: Sequence[list[int] | None] = ()
+    ) -> list[dict[str, np.ndarray] | InputError]:
+        """One result per request: its output tensors, or the InputError that rejects it. `known_ids[i]`, when
+        given: request i's prompt as `tokenize_prompt` made it already (a one-row request without the chat
+        template), so it is not tokenized twice."""
         # Prompts of all requests, split by whether the chat template (which writes its own
         # special tokens) was applied; each group is tokenized in one call.
         groups: dict[bool, tuple[list[tuple[int, int]], list[str]]] = {False: ([], []), True: ([], [])}
         results: list[dict[str, np.ndarray] | InputError] = []
+        per_request: dict[int, dict[int, list[int]]] = {}
         for index, arrays in enumerate(requests):
             try:
                 batch = arrays["QUERY"].shape[0] if "QUERY" in arrays else 1
@@ -172,10 +181,13 @@ class Preprocessor:
                 results.append(exc)
                 continue
             results.append({})
+            known = known_ids[index] if index < len(known_ids) else None
+            if known is not None and len(prompts) == 1 and not prompts[0][1]:
+                per_request[index] = {0: known}
+                continue
             for row, (text, chat) in enumerate(prompts):
                 groups[chat][0].append((index, row))
                 groups[chat][1].append(text)
-        per_request: dict[int, dict[int, list[int]]] = {}
         for chat, (keys, texts) in groups.items():
             if texts:
                 add_special = self.add_special_tokens and not chat

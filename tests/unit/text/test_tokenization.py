@@ -37,6 +37,20 @@ def test_outputs_match_the_tokenizer(pre, tokenizer):
     assert out["STOP_WORDS_IDS"].shape[:2] == (2, 2)
 
 
+def test_a_prompt_tokenized_once_is_not_tokenized_again(pre, monkeypatch):
+    """The OpenAI layer counts a prompt's tokens with `tokenize_prompt` and hands them on: `process` takes them as
+    they are, and still checks the request; a batch, or the chat template, is tokenized here."""
+    ids = pre.tokenize_prompt("Hello world")
+    [alone] = pre.process([request("Hello world")])
+    monkeypatch.setattr(pre, "tokenizer", None)  # tokenizing now would fail
+    [given] = pre.process([request("Hello world")], [ids])
+    assert {k: v.tolist() for k, v in given.items()} == {k: v.tolist() for k, v in alone.items()}
+    [too_long] = pre.process([request("Hello world", max_tokens=LIMITS.max_seq_len)], [ids])
+    assert isinstance(too_long, InputError) and too_long.field == "max_tokens"
+    with pytest.raises(TypeError):  # two rows: the ids of one prompt do not answer them
+        pre.process([request("Hello", "world")], [ids])
+
+
 def test_batch_of_requests_each_answered(pre):
     results = pre.process([request("one"), request(""), request("three", max_tokens=0), request("four")])
     assert isinstance(results[0], dict) and isinstance(results[3], dict)
