@@ -103,7 +103,10 @@ def load_engine(folder: Path, device: str) -> tuple[BlockingGenerate, str]:
     synthetic = folder / SYNTHETIC_CONFIG_FILE
     if synthetic.is_file():  # a benchmark instrument (build_engines.py --engine synthetic)
         config = SyntheticConfig(**json.loads(synthetic.read_text()))
-        return SyntheticEngine(config), f"synthetic benchmark engine, {config.step_ms} ms per step"
+        what = f"synthetic benchmark engine, {config.step_ms} ms per step"
+        if config.engine_process:
+            return EngineProcess(config), f"{what}, in a process of its own"
+        return SyntheticEngine(config), what
     llm_api = folder / LLM_API_CONFIG_FILE
     if llm_api.is_file():  # build_engines.py --engine trtllm-llmapi: TensorRT-LLM's LLM API, in NVIDIA's image
         from tritonllm.engine.llmapi import LlmApiEngine

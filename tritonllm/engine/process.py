@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 
 from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, check_request
 from tritonllm.engine.checks import check_batching, check_controls
+from tritonllm.engine.synthetic import SyntheticConfig, SyntheticEngine, check_supported
 from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_ERROR
 
@@ -61,7 +62,7 @@ class EngineProcess(BlockingGenerate):
     """`PortableEngine`'s interface, served by a child process. `emit` callbacks run on this process's reader
     thread, in the order the child's engine made the emissions."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig | SyntheticConfig) -> None:
         here, there = socket.socketpair()
         self._conn = Connection(here.detach())
         # In a stub, sys.executable is the server environment's python, whose packages the stub imports.
@@ -77,6 +78,7 @@ class EngineProcess(BlockingGenerate):
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
         self._limits: dict = {}  # what the child's engine takes (its vocabulary, asynchronous batching)
+        self._synthetic = isinstance(config, SyntheticConfig)  # refuses what it cannot honour, here: a 400
         self._send(("config", config))
         try:
             answer = self._conn.recv()
@@ -95,6 +97,8 @@ class EngineProcess(BlockingGenerate):
         check_controls(request, self._limits.get("vocab_size"))
         check_request(request)
         check_batching(request, self._limits.get("async_batching", False))
+        if self._synthetic:
+            check_supported(request)
         request_id = f"p{next(self._ids)}"
         admission = _Admission() if request.guide is not None else None
         with self._lock:
@@ -199,12 +203,13 @@ class EngineProcess(BlockingGenerate):
 
 
 def serve_child(conn: Connection, make_engine: Callable[[EngineConfig], BlockingGenerate] | None = None) -> int:
-    """Runs the engine the first message configures (PortableEngine unless `make_engine` says otherwise), until the
-    connection ends or asks it to stop."""
-    if make_engine is None:
-        from tritonllm.engine.portable import PortableEngine as make_engine  # torch: only this process loads it
-
+    """Runs the engine the first message configures (PortableEngine, or the synthetic benchmark engine for its
+    configuration, unless `make_engine` says otherwise), until the connection ends or asks it to stop."""
     _, config = conn.recv()
+    if make_engine is None and isinstance(config, SyntheticConfig):
+        make_engine = SyntheticEngine
+    elif make_engine is None:
+        from tritonllm.engine.portable import PortableEngine as make_engine  # torch: only this process loads it
     try:
         engine = make_engine(config)
     except BaseException as exc:
@@ -214,7 +219,7 @@ def serve_child(conn: Connection, make_engine: Callable[[EngineConfig], Blocking
     outgoing: queue.SimpleQueue = queue.SimpleQueue()
     requests = _Requests(engine, outgoing)
     sender = threading.Thread(target=_send_emissions, args=(conn, outgoing, engine), name="engine-process-sender")
-    conn.send(("ready", {"vocab_size": engine.vocab_size, "async_batching": engine.config.async_batching}))
+    conn.send(("ready", engine_limits(engine)))
     sender.start()
     while True:
         try:
@@ -235,6 +240,14 @@ def serve_child(conn: Connection, make_engine: Callable[[EngineConfig], Blocking
     outgoing.put(None)
     sender.join()
     return 0
+
+
+def engine_limits(engine: BlockingGenerate) -> dict:
+    """What the parent checks requests against before sending them: the portable engine's vocabulary and whether it
+    batches asynchronously (the synthetic engine refuses the controls these bound itself)."""
+    if isinstance(engine, SyntheticEngine):
+        return {}
+    return {"vocab_size": engine.vocab_size, "async_batching": engine.config.async_batching}
 
 
 class _Requests:

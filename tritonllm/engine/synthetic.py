@@ -49,6 +49,8 @@ class SyntheticConfig:
     step_ms: float = option(
         6.0, "milliseconds per engine step; each step gives every running sequence its next token", limits=(0.1, None)
     )
+    # The step loop in a process of its own, as the portable engine's on CUDA (--engine-process, EngineConfig's).
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text_ids", tuple(self.text_ids))  # JSON gives a list

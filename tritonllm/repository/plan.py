@@ -220,6 +220,7 @@ def plan_synthetic(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     config = SyntheticConfig(
         text_ids=tuple(tokenizer(PASSAGE, add_special_tokens=False)["input_ids"]),
         max_batch_size=args.max_batch_size or 16,
+        engine_process=bool(args.engine_process),  # the portable engine's option: where its step loop runs
         **{f.name: getattr(args, f.name) for f in option_fields(SyntheticConfig)},
     )
     return BuildPlan(
@@ -232,7 +233,7 @@ def plan_synthetic(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         vocab_size=AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size,
         max_queue_size=args.max_queue_size,
         engine_values={"engine_instance_kind": "KIND_CPU"},
-        details={"step_ms": config.step_ms},
+        details={"step_ms": config.step_ms, "engine_process": config.engine_process},
         files={f"{ENGINE_FOLDER}/1/{SYNTHETIC_CONFIG_FILE}": json.dumps(asdict(config)) + "\n"},
     )
 

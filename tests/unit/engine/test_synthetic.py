@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
+from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
@@ -101,14 +102,26 @@ def test_what_it_cannot_honour_is_refused_by_name(engine, request_options, field
     assert engine.running() == 0
 
 
+def test_in_a_process_of_its_own_it_answers_and_refuses_as_in_process(engine):
+    """--engine-process: the step loop in a child (tritonllm/engine/process.py), as the portable engine's on CUDA."""
+    child = EngineProcess(SyntheticConfig(TEXT, max_batch_size=2, step_ms=1, engine_process=True))
+    try:
+        request = GenerationRequest([1, 2, 3], max_new_tokens=12, streaming=True, stop_words=((TEXT[5],),))
+        assert [e.token_ids for e in stream(child, request)] == [e.token_ids for e in stream(engine, request)]
+        with pytest.raises(InputError) as refused:  # refused before it reaches the child: a 400 by name
+            child.submit(GenerationRequest([1], 4, penalties=Penalties(repetition=1.2)), lambda e: None)
+        assert refused.value.field == "repetition_penalty" and child.running() == 0
+    finally:
+        child.shutdown()
+
+
 def test_the_build_writes_the_synthetic_engine_with_the_portable_models(manifest, tmp_path):
-    code = build_main(
-        ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(tmp_path), "--step-ms", "2.5"]
-    )
+    argv = ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(tmp_path), "--step-ms", "2.5"]
+    code = build_main([*argv, "--engine-process"])
     assert code == 0
     repository = tmp_path / "model_repository"
     engine = repository / "tensorrt_llm_decoupled" / "1"  # the engine's model in the default deployment
     config = json.loads((engine / SYNTHETIC_CONFIG_FILE).read_text())
-    assert config["step_ms"] == 2.5 and len(config["text_ids"]) > 100
+    assert config["step_ms"] == 2.5 and config["engine_process"] and len(config["text_ids"]) > 100
     assert (engine / "model.py").is_file()
     assert json.loads((tmp_path / "manifest.json").read_text())["engine"] == "synthetic"
