@@ -96,7 +96,7 @@ def test_bias_and_sampling_choose_as_the_controls_path(engine, tokenizer, sampli
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_equals_llama_cpp_itself(engine, gguf, tokenizer, prompt):
     ids = chat_ids(tokenizer, prompt)
-    tokens, reason = engine.generate(GenerationRequest(ids, 32), timeout=120)
+    tokens, reason = engine.generate(GenerationRequest(ids, 24), timeout=120)
     assert reason == FINISH_LENGTH
     assert tokens == llama_cpp_greedy(gguf, ids, 24)
 
