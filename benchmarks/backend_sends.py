@@ -1,8 +1,8 @@
 """How many responses a second one Python-backend model instance can send, with no engine behind it.
 
 A toy decoupled model (written to a scratch repository) answers each request with N small responses from a pool
-of sender threads; `--busy-ms` adds a thread that holds the interpreter for that long every 6 ms, as a step loop
-in the same process would. The client reads K concurrent gRPC streams. One line per setting:
+of sender threads; `--busy-ms` adds a thread that sleeps 6 ms, then holds the interpreter for that long, over and
+over, as a step loop in the same process would. The client reads K concurrent gRPC streams. One line per setting:
 
   python benchmarks/backend_sends.py --threads 1,4 --busy-ms 0,3
 """
@@ -135,7 +135,9 @@ def measure(scratch: Path, threads: int, busy_ms: float, streams: int, responses
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", default="1,4", help="sender threads in the model, comma-separated settings")
-    parser.add_argument("--busy-ms", default="0,3", help="interpreter time taken every 6 ms, comma-separated")
+    parser.add_argument(
+        "--busy-ms", default="0,3", help="interpreter time taken after each 6 ms sleep, comma-separated"
+    )
     parser.add_argument("--streams", type=int, default=8, help="concurrent requests")
     parser.add_argument("--responses", type=int, default=2000, help="responses per request")
     args = parser.parse_args()
@@ -143,7 +145,7 @@ def main() -> int:
         for busy in (float(v) for v in args.busy_ms.split(",")):
             for threads in (int(v) for v in args.threads.split(",")):
                 rate = measure(Path(scratch), threads, busy, args.streams, args.responses)
-                print(f"threads {threads}, busy {busy:g} ms every 6 ms: {rate:,.0f} responses/s", flush=True)
+                print(f"threads {threads}, busy {busy:g} ms after each 6 ms: {rate:,.0f} responses/s", flush=True)
     return 0
 
 

@@ -365,7 +365,7 @@ def plot(rows: list[dict], path: Path) -> bool:
         levels = [r["concurrency"] for r in mine]
         style = "--" if target.startswith("engine") else "-"
         tokens.plot(levels, [r["output_tokens_per_s"] for r in mine], style, marker="o", label=target)
-        if target in PAIRS and PAIRS[target] == "engine_stream":
+        if target in PAIRS and PAIRS[target] == "engine_stream" and target != "engine_stream":
             gaps.plot(levels, [r["added_itl_p50_ms"] for r in mine], marker="o", label=f"{target} p50")
             gaps.plot(levels, [r["added_itl_p99_ms"] for r in mine], ":", marker=".", label=f"{target} p99")
     for axis, title in ((tokens, "output tokens/s"), (gaps, "time between tokens added to the engine's, ms")):
@@ -517,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     targets = [t for t in args.targets.split(",") if t]
     if unknown := [t for t in targets if t not in PAIRS]:
         raise SystemExit(f"bench-pipeline: unknown targets {unknown}; choose among {', '.join(PAIRS)}")
+    if args.profile_gil and args.profile_waits:
+        raise SystemExit(
+            "bench-pipeline: --profile-gil keeps the samples holding the GIL, --profile-waits the waiting "
+            "ones too: choose one"
+        )
     if args.profile_dir and shutil.which("py-spy") is None:
         raise SystemExit("bench-pipeline: --profile-dir needs py-spy on PATH (pip install py-spy)")
     args.out.mkdir(parents=True, exist_ok=True)

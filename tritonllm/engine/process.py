@@ -1,4 +1,5 @@
-"""The portable engine in a process of its own, as vLLM's engine core runs apart from its API server.
+"""The portable engine (or the synthetic benchmark engine) in a process of its own, as vLLM's engine core runs apart
+from its API server.
 
 In one process, a single interpreter lock carries both the generation loop (transformers' host work
 for every step of every request) and the engine model's response sender (a Triton response per token
@@ -59,8 +60,8 @@ class _Admission:
 
 
 class EngineProcess(BlockingGenerate):
-    """`PortableEngine`'s interface, served by a child process. `emit` callbacks run on this process's reader
-    thread, in the order the child's engine made the emissions."""
+    """`PortableEngine`'s interface, served by a child process (the synthetic engine, for its configuration). `emit`
+    callbacks run on this process's reader thread, in the order the child's engine made the emissions."""
 
     def __init__(self, config: EngineConfig | SyntheticConfig) -> None:
         here, there = socket.socketpair()
@@ -202,7 +203,9 @@ class EngineProcess(BlockingGenerate):
 # ---------------------------------------------------------------------- the child
 
 
-def serve_child(conn: Connection, make_engine: Callable[[EngineConfig], BlockingGenerate] | None = None) -> int:
+def serve_child(
+    conn: Connection, make_engine: Callable[[EngineConfig | SyntheticConfig], BlockingGenerate] | None = None
+) -> int:
     """Runs the engine the first message configures (PortableEngine, or the synthetic benchmark engine for its
     configuration, unless `make_engine` says otherwise), until the connection ends or asks it to stop."""
     _, config = conn.recv()

@@ -129,7 +129,7 @@ class Generator:
                 param=param,
                 code="context_length_exceeded",
             )
-        return Prompt(prompt, room if requested is None else requested, ids if self.direct else None)
+        return Prompt(prompt, room if requested is None else requested, ids if self.direct is not None else None)
 
     async def generate(self, prompt: Prompt, body: SamplingRequest, index: int) -> AsyncIterator[Generation]:
         """Stream one choice from Triton: deltas (finish_reason None), then a final Generation."""
