@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import queue
 import threading
 import time
@@ -156,6 +157,7 @@ class EngineModel:
             self._send,
             Emission.joinable,
             Emission.join,
+            operator.attrgetter("final"),
             self._tick,
             CANCEL_CHECK_SECONDS,
             log_exception,
