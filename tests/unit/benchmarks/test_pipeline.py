@@ -4,6 +4,7 @@ import pytest
 
 from benchmarks.loadgen import Record
 from benchmarks.pipeline import summarize, table_rows
+from benchmarks.pipeline_ab import report
 
 
 def level(target: str, first_token: float, tokens_per_request: int = 10):
@@ -38,3 +39,17 @@ def test_entry_points_are_compared_with_their_engine_baseline():
 def test_a_level_where_every_request_failed_says_so():
     with pytest.raises(RuntimeError, match="every request failed: no answer"):
         summarize("ensemble_http", 1, [[Record(0.0, 1.0, None, 0, "no answer")]], {}, 1.0)
+
+
+def test_the_ab_report_pairs_rounds_and_calls_a_verdict():
+    this = [
+        {("bls_grpc", 512): 110.0, ("engine_stream", 512): 90.0},
+        {("bls_grpc", 512): 120.0, ("engine_stream", 512): 100.0},
+    ]
+    base = [
+        {("bls_grpc", 512): 100.0, ("engine_stream", 512): 100.0},
+        {("bls_grpc", 512): 100.0, ("engine_stream", 512): 95.0},
+    ]
+    rows = report(this, base).splitlines()[2:]
+    assert rows[0] == "| bls_grpc | 512 | 115 (110.0 to 120.0) | 100 (100.0) | 1.150 (1.100 to 1.200) | ahead |"
+    assert rows[1].endswith("| 0.976 (0.900 to 1.053) | within noise |")

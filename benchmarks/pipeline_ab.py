@@ -1,0 +1,85 @@
+"""Two versions of the code through `bench-pipeline`, in alternated rounds: which is ahead, and by how much.
+
+    git worktree add ../base HEAD~1        # the code to compare against
+    python -m benchmarks.pipeline_ab --base ../base --rounds 3 --out /tmp/ab --levels 512 --targets bls_grpc
+    GPU_SCRIPT=benchmarks/pipeline_ab.py bash benchmarks/gpu_bench.sh --base ../base ...   # on the GPU host
+
+Each round runs each checkout's own benchmarks/pipeline.py once (its own build and server), the order alternating
+from round to round; options this script does not know go to pipeline.py as they are. A run's working directory is
+its checkout: the Python backend's stubs and the OpenAI layer import the project from there first (the stubs'
+embedded interpreter ignores PYTHONPATH), so putting the base's code on PYTHONPATH alone would measure this
+checkout twice. Printed, and written to OUT/ab.md: per entry point and level, each side's median tokens/s with its
+range, the median of the per-round ratios (this checkout / base) with its range, and a verdict (ahead or behind when
+every round says so, else within noise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.peers import median, spread, verdict
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def run(checkout: Path, out: Path, options: list[str]) -> dict[tuple[str, int], float]:
+    """One pipeline run of `checkout`'s code: tokens/s per (target, level)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, str(checkout / "benchmarks" / "pipeline.py"), "--out", str(out), *options]
+    code = subprocess.run(command, cwd=checkout, env=env).returncode
+    if code != 0:
+        raise SystemExit(f"pipeline_ab: {' '.join(command)} exited with {code} (in {checkout})")
+    with (out / "pipeline.csv").open() as rows:
+        return {(r["target"], int(r["concurrency"])): float(r["output_tokens_per_s"]) for r in csv.DictReader(rows)}
+
+
+def report(this: list[dict], base: list[dict]) -> str:
+    lines = [
+        "| target | streams | tokens/s, this: median (range) | base | this / base, each round: median (range) "
+        "| verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in sorted(this[0], key=lambda k: (k[1], k[0])):
+        ours, theirs = [r[key] for r in this if key in r], [r[key] for r in base if key in r]
+        ratios = [t[key] / b[key] for t, b in zip(this, base, strict=True) if key in t and b.get(key)]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {median(ours):,.0f} ({spread(ours)}) | {median(theirs):,.0f} ({spread(theirs)}) "
+            f"| {median(ratios):.3f} ({min(ratios):.3f} to {max(ratios):.3f}) | {verdict(ratios, 1.0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", type=Path, required=True, help="the checkout to compare this one against")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each running both checkouts once")
+    parser.add_argument("--out", type=Path, default=Path("build/bench-ab"))
+    parser.add_argument("--tokenizer-dir", type=Path, help="passed on to pipeline.py, made absolute")
+    parser.add_argument("--build-dir", type=Path, default=HERE / "build", help="its tokenizer, for both")
+    args, options = parser.parse_known_args(argv)
+    base = args.base.resolve()
+    if not (base / "benchmarks" / "pipeline.py").is_file():
+        raise SystemExit(f"pipeline_ab: {base} is not a checkout of this project (git worktree add {base} REV)")
+    options += ["--build-dir", str(args.build_dir.resolve())]
+    if args.tokenizer_dir is not None:
+        options += ["--tokenizer-dir", str(args.tokenizer_dir.resolve())]
+    out = args.out.resolve()
+    results: dict[str, list[dict]] = {"this": [], "base": []}
+    for round_ in range(args.rounds):
+        order = ["this", "base"] if round_ % 2 == 0 else ["base", "this"]
+        for side in order:
+            checkout = HERE if side == "this" else base
+            results[side].append(run(checkout, out / f"{round_}-{side}", options))
+    text = report(results["this"], results["base"])
+    (out / "ab.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
