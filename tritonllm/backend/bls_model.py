@@ -74,11 +74,6 @@ def _joinable(earlier, later) -> bool:
     return isinstance(earlier, Delta) and isinstance(later, Delta)
 
 
-def _final(item) -> bool:
-    """A request's final response (anything but a text delta), which the outbox sends before other streams' deltas."""
-    return not isinstance(item, Delta)
-
-
 def _join_deltas(run: list[Delta]) -> Delta:
     return functools.reduce(Delta.extend, run)
 
@@ -108,7 +103,6 @@ class StreamingModel:
             self._send,
             _joinable,
             _join_deltas,
-            _final,
             self._check_cancelled,
             CANCEL_CHECK_SECONDS,
             log_exception,

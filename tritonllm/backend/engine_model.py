@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import operator
 import queue
 import threading
 import time
@@ -157,7 +156,6 @@ class EngineModel:
             self._send,
             Emission.joinable,
             Emission.join,
-            operator.attrgetter("final"),
             self._tick,
             CANCEL_CHECK_SECONDS,
             log_exception,

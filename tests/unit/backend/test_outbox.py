@@ -1,4 +1,4 @@
-"""Unit: the sender thread's merging and order (tritonllm.backend.outbox) and the engine's emission merge rule."""
+"""Unit: the sender thread's merging (tritonllm.backend.outbox) and the engine's emission merge rule."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 import threading
 import time
 
-from tritonllm.backend.outbox import Outbox, merge_runs
+from tritonllm.backend.outbox import Outbox, coalesce
 from tritonllm.engine.api import Emission, TokenLogProbs
 
 
@@ -17,21 +17,23 @@ def texts(a, b) -> bool:
 TEXT = (texts, "".join)  # an outbox's joinable, join for text items
 
 
-def ends(item) -> bool:
-    """A text item ending in "." is its key's last."""
-    return isinstance(item, str) and item.endswith(".")
+def test_coalesce_joins_per_key_and_keeps_order():
+    a, b = object(), object()
+    items = [(a, "x"), (b, "1"), (a, "y"), (b, 2), (a, "z"), (b, "3"), (b, "4")]
+    assert coalesce(items, *TEXT) == [(a, "xyz"), (b, "1"), (b, 2), (b, "34")]
 
 
-def test_merge_runs_joins_consecutive_joinable_items_in_order():
-    assert merge_runs(["x", "y", 2, "3", "4"], *TEXT) == ["xy", 2, "34"]
-
-
-def test_merge_runs_joins_a_run_once():
+def test_coalesce_joins_a_run_once():
     runs = []
-    items = [str(i) for i in range(50)]
-    joined = merge_runs(items, texts, lambda run: runs.append(len(run)) or "".join(run))
-    assert joined == ["".join(items)]
+    items = [(None, str(i)) for i in range(50)]
+    joined = coalesce(items, texts, lambda run: runs.append(len(run)) or "".join(run))
+    assert joined == [(None, "".join(i for _, i in items))]
     assert runs == [50]
+
+
+def test_coalesce_keeps_equal_keys_apart_when_they_are_different_objects():
+    a, b = [], []  # equal, but two requests
+    assert coalesce([(a, "x"), (b, "y")], *TEXT) == [(a, "x"), (b, "y")]
 
 
 def test_emission_join_joins_tokens_up_to_the_final_one():
@@ -58,7 +60,7 @@ def test_outbox_sends_each_item_alone_when_idle_and_merged_when_busy():
         release.wait(5)  # the first send blocks while more items queue up
 
     key = object()
-    box = Outbox("test-sender", send, *TEXT, ends, tick=lambda: None, period=0.05, report=print)
+    box = Outbox("test-sender", send, *TEXT, tick=lambda: None, period=0.05, report=print)
     try:
         box.put(key, "a")
         deadline = time.monotonic() + 5
@@ -87,7 +89,6 @@ def test_outbox_survives_a_failing_send_and_ticks():
         send,
         lambda a, b: False,
         "".join,
-        ends,
         tick=lambda: ticks.append(1),
         period=0.02,
         report=reports.append,
@@ -108,34 +109,9 @@ def test_outbox_survives_a_failing_send_and_ticks():
 def test_close_sends_what_is_queued():
     sent = []
     box = Outbox(
-        "test-sender", lambda key, item: sent.append(item), *TEXT, ends, tick=lambda: None, period=0.05, report=print
+        "test-sender", lambda key, item: sent.append(item), *TEXT, tick=lambda: None, period=0.05, report=print
     )
     for item in "abc":
         box.put(object(), item)
     box.close()
     assert sorted(sent) == ["a", "b", "c"]
-
-
-def test_a_key_whose_end_waits_is_sent_first_and_keys_keep_their_place():
-    sent: list[tuple[str, str]] = []
-    started, release = threading.Event(), threading.Event()
-
-    def send(key, item):
-        sent.append((key, item))
-        started.set()
-        release.wait(5)  # the first send blocks while the rest queue up
-
-    box = Outbox("test-sender", send, *TEXT, ends, tick=lambda: None, period=0.05, report=print)
-    try:
-        box.put("busy", "0")
-        assert started.wait(5)
-        for key, item in [("a", "1"), ("b", "1"), ("c", "1"), ("a", "2"), ("c", "2."), ("b", "2.")]:
-            box.put(key, item)
-        release.set()
-        deadline = time.monotonic() + 5
-        while len(sent) < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        box.close()
-    # c's and b's ends first, in the order they came, each with what its key queued before; then a, the oldest.
-    assert sent == [("busy", "0"), ("c", "12."), ("b", "12."), ("a", "12")]
