@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from tests.polling import eventually
 from tests.unit.backend import fake_pb_utils
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, GenerationRequest
 from tritonllm.errors import ErrorKind, InputError
@@ -320,15 +321,6 @@ def started(pb_utils, monkeypatch, tmp_path):
     model.finalize()
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_capacity_is_max_batch_size_plus_max_queue_size(started, pb_utils):
     assert started.capacity == 3 and len(started.engine.warmups) == 1
     admitted = [request(pb_utils, [1, 2]) for _ in range(3)]
@@ -345,7 +337,7 @@ def test_the_sender_thread_checks_for_cancelled_requests(started, pb_utils):
     cancelled = request(pb_utils, [1, 2])
     started.execute([cancelled])
     cancelled.sender.cancelled = True
-    assert wait_for(lambda: cancelled.sender.closed), "the periodic check never cancelled the request"
+    assert eventually(lambda: cancelled.sender.closed), "the periodic check never cancelled the request"
     assert started.engine.cancels[0] == "e0" and set(started.engine.cancels) == {"e0"}
     time.sleep(3 * 0.2)  # a few more periods: no second answer
     assert finals(pb_utils, cancelled.sender) == 1 and len(cancelled.sender.sent) == 1
@@ -654,7 +646,7 @@ def test_a_compiling_guide_holds_up_neither_other_requests_nor_stops(model, pb_u
     model.execute([stop])
     assert finals(pb_utils, stop.sender) == 1
     model.engine.compiled.set()  # compiled: handed to the engine, and ended at once, as the stop asked
-    assert wait_for(lambda: guided.sender.closed)
+    assert eventually(lambda: guided.sender.closed)
     model._guided.shutdown()
     assert model._compiling == 0 and set(model.engine.cancels) == {"e1"}
     assert finals(pb_utils, guided.sender) == 1 and model.engine.running() == 1

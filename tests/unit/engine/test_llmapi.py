@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import BUILD, ROOT
+from tests.polling import eventually
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.llmapi_config import LlmApiConfig
 from tritonllm.engine.llmapi_params import TokenRules, guided_decoding_kwargs, sampling_kwargs, token_rules
@@ -206,8 +207,8 @@ def test_a_stop_word_ends_the_request_and_aborts_it_in_the_llm(engine, prompt, t
     request = GenerationRequest(prompt, 24, end_id=tokenizer.eos_token_id, stop_words=(word,))
     (stopped,) = collect(engine, request)
     assert stopped.finish_reason == FINISH_STOP and stopped.token_ids == whole.token_ids[:7]
-    assert until(lambda: engine.llm._engine.running() == 0)  # the LLM's request is aborted
-    assert until(lambda: engine.running() == 0)
+    assert eventually(lambda: engine.llm._engine.running() == 0)  # the LLM's request is aborted
+    assert eventually(lambda: engine.running() == 0)
 
 
 def test_the_end_id_ends_a_request_with_eos(engine, tokenizer):
@@ -272,13 +273,6 @@ def test_a_request_the_llm_fails_ends_alone_with_its_error(engine, prompt):
 # ------------------------------------------------------------------ failures, with a scripted LLM
 
 
-def until(condition, seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return bool(condition())
-
-
 class ScriptedResult:
     """A RequestOutput whose steps the test gives: token lists, then an exception or a finish reason; or none (it
     waits until aborted). Its abort can be made to raise."""
@@ -341,7 +335,7 @@ def test_a_failing_abort_still_ends_the_request_once(scripted):
     emissions = collect(scripted, GenerationRequest([1], 2), timeout=10)
     assert [(e.token_ids, e.finish_reason) for e in emissions] == [([5, 6], FINISH_LENGTH)]
     assert scripted.llm.results[0].aborted.is_set()
-    assert until(lambda: scripted.running() == 0)  # forgotten just after its final emission
+    assert eventually(lambda: scripted.running() == 0)  # forgotten just after its final emission
 
 
 def test_an_error_mid_stream_ends_the_request_with_it(scripted):
@@ -370,7 +364,7 @@ def test_shutdown_ends_the_requests_in_flight_and_refuses_new_ones(scripted):
     scripted.llm.script = []  # runs until aborted
     done, emissions = threading.Event(), []
     scripted.submit(GenerationRequest([1], 9, streaming=True), lambda e: (emissions.append(e), done.set()))
-    assert until(lambda: scripted.llm.results)  # the LLM has it
+    assert eventually(lambda: scripted.llm.results)  # the LLM has it
     scripted.shutdown()
     assert done.wait(10) and emissions[-1].finish_reason == FINISH_ERROR and "shutting down" in emissions[-1].error
     assert scripted.llm.results[0].aborted.is_set() and not scripted.alive()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.polling import eventually
 from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, Guide, SamplingParams
 from tritonllm.engine.portable import PortableEngine
 from tritonllm.engine.process import ADMITTED, EngineProcess, EngineProcessError, serve_child
@@ -28,13 +29,6 @@ def child(manifest):
     engine = EngineProcess(small(manifest))
     yield engine
     engine.shutdown()
-
-
-def wait_for(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_answers_equal_the_engine_in_process(child, manifest, tokenizer):
@@ -72,7 +66,7 @@ def test_answers_equal_the_engine_in_process(child, manifest, tokenizer):
 def test_a_stream_arrives_token_by_token_in_order(child):
     emissions: list[Emission] = []
     child.submit(GenerationRequest([1, 2, 3, 4], 6, streaming=True), emissions.append)
-    wait_for(lambda: emissions and emissions[-1].final)
+    assert eventually(lambda: emissions and emissions[-1].final, 30)
     assert [e.final for e in emissions] == [False] * (len(emissions) - 1) + [True]
     assert sum(len(e.token_ids) for e in emissions) == 6
     assert emissions[-1].finish_reason == FINISH_LENGTH and emissions[-1].time_to_first_token > 0
@@ -82,14 +76,14 @@ def test_a_stream_arrives_token_by_token_in_order(child):
 def test_cancel_frees_the_request(child):
     emissions: list[Emission] = []
     request_id = child.submit(GenerationRequest([1, 2, 3], 400, streaming=True), emissions.append)
-    wait_for(lambda: emissions)  # generating
+    assert eventually(lambda: emissions, 30)  # generating
     assert child.running() == 1
-    wait_for(lambda: child.in_batch() == 1)  # the child's load report
+    assert eventually(lambda: child.in_batch() == 1, 30)  # the child's load report
     child.cancel(request_id)
-    wait_for(lambda: emissions[-1].final)
+    assert eventually(lambda: emissions[-1].final, 30)
     assert emissions[-1].finish_reason == FINISH_CANCELLED
     assert child.running() == 0
-    wait_for(lambda: child.in_batch() == 0)
+    assert eventually(lambda: child.in_batch() == 0, 30)
 
 
 def test_refuses_what_the_engine_refuses_before_sending(child):
@@ -102,9 +96,9 @@ def test_a_dead_child_fails_its_requests_and_every_later_one(manifest):
     engine = EngineProcess(small(manifest))
     emissions: list[Emission] = []
     engine.submit(GenerationRequest([1, 2, 3], 400), emissions.append)
-    wait_for(lambda: engine.in_batch() == 1)
+    assert eventually(lambda: engine.in_batch() == 1, 30)
     os.kill(engine._process.pid, signal.SIGKILL)
-    wait_for(lambda: emissions)
+    assert eventually(lambda: emissions, 30)
     (failed,) = emissions
     assert failed.finish_reason == FINISH_ERROR and "exited with code -9" in failed.error
     assert not engine.alive() and engine.running() == 0
@@ -128,7 +122,7 @@ def test_the_child_exits_when_its_parent_dies(manifest):
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
     stat = Path(f"/proc/{int(run.stdout.split()[0])}/stat")
     # Gone, or a zombie that nobody reaped (a container's first process may not).
-    wait_for(lambda: not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+    assert eventually(lambda: not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", 30)
 
 
 def test_a_failed_start_says_why(tmp_path):
