@@ -309,8 +309,20 @@ class EngineConfig:
         return dataclasses.replace(self, **decided)
 
 
+@dataclass(frozen=True)
+class SubmitRules:
+    """What an engine's `submit` refuses, as data (checks.check_submit applies them): checked by the engine itself,
+    and before sending by a caller in another process (tritonllm/engine/process.py), which needs nothing else of it."""
+
+    vocab_size: int | None = None  # bias token ids must be below it (None: not known)
+    async_batching: bool = False  # the controls asynchronous batching cannot honour are refused (check_batching)
+    fixed_text: bool = False  # the synthetic benchmark engine: every control that changes tokens is refused
+
+
 class BlockingGenerate:
     """`generate` for an engine with `submit` (in this process, or in one of its own: tritonllm/engine/process.py)."""
+
+    submit_rules = SubmitRules()
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         raise NotImplementedError

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from tritonllm.engine.api import GenerationRequest, Penalties
+from tritonllm.engine.api import GenerationRequest, Penalties, SubmitRules, check_request
 from tritonllm.errors import InputError
 from tritonllm.protocol import GUIDE_TYPES, MAX_TOP_LOG_PROBS
 
@@ -81,3 +81,27 @@ def check_batching(request: GenerationRequest, async_batching: bool) -> None:
             "return_log_probs",
             f"log probabilities need synchronous batching, which this engine does not run: {REBUILD_SYNCHRONOUS}",
         )
+
+
+def check_fixed_text(request: GenerationRequest) -> None:
+    """InputError naming the first control the synthetic benchmark engine, which writes fixed text, cannot honour."""
+    refused = [
+        (request.sampling.sample, "temperature", "sampling (temperature, runtime_top_k, runtime_top_p)"),
+        (not request.penalties.neutral, "repetition_penalty", "penalties"),
+        (bool(request.embedding_bias), "embedding_bias", "a bias"),
+        (request.log_probs >= 0, "return_log_probs", "log probabilities"),
+        (request.guide is not None, "guided_decoding_guide", "guided decoding"),
+        (bool(request.bad_words), "bad_words_list", "bad words"),
+    ]
+    for used, name, what in refused:
+        if used:
+            raise InputError(name, f"the synthetic benchmark engine writes fixed text: {what} is not available")
+
+
+def check_submit(request: GenerationRequest, rules: SubmitRules) -> None:
+    """InputError, naming the input, for what an engine with these rules refuses in `submit`."""
+    check_controls(request, rules.vocab_size)
+    check_request(request)
+    check_batching(request, rules.async_batching)
+    if rules.fixed_text:
+        check_fixed_text(request)

@@ -40,10 +40,10 @@ from tritonllm.engine.api import (
     EngineConfig,
     GenerationRequest,
     SamplingParams,
+    SubmitRules,
     TokenLogProbs,
-    check_request,
 )
-from tritonllm.engine.checks import check_controls
+from tritonllm.engine.checks import check_submit
 from tritonllm.engine.cpu_threads import start_yielding
 from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.engine.row_draw import draw_request
@@ -181,6 +181,7 @@ class LlamaCppEngine(BlockingGenerate):
             raise EngineFailure(f"llama.cpp could not make a context of {config.kv_cache_tokens} tokens")
         self._memory = llama.llama_get_memory(self._ctx)
         self.vocab_size = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self._model))
+        self.submit_rules = SubmitRules(self.vocab_size)
         self.cache_tokens = llama.llama_n_ctx(self._ctx)
         description = ctypes.create_string_buffer(128)
         llama.llama_model_desc(self._model, description, len(description))
@@ -212,8 +213,7 @@ class LlamaCppEngine(BlockingGenerate):
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         """Queue a request; `emit` is called from the step thread as tokens arrive. Raises InputError, naming the
         input, for controls out of range or a guide that does not compile."""
-        check_controls(request, self.vocab_size)
-        check_request(request)
+        check_submit(request, self.submit_rules)
         request_id = f"l{next(self._ids)}"
         reserved = len(request.input_ids) + request.max_new_tokens  # what the admission counts: never more
         if reserved > self.config.max_seq_len:

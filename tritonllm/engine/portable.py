@@ -29,9 +29,9 @@ from tritonllm.engine.api import (
     Emission,
     EngineConfig,
     GenerationRequest,
-    check_request,
+    SubmitRules,
 )
-from tritonllm.engine.checks import check_batching, check_controls
+from tritonllm.engine.checks import check_submit
 from tritonllm.engine.controls import EmbeddingBias, LogProbs, PenaltyGroup, RequestSlots, attach_log_probs
 from tritonllm.engine.cpu_threads import on_fresh_thread, start_yielding
 from tritonllm.engine.guided import GuidedDecoding, Guides
@@ -124,6 +124,7 @@ class PortableEngine(BlockingGenerate):
             # After the manager checked the implementation, before it allocates its step buffers (attention.py).
             self.model.set_attn_implementation(attention.register())
         self.vocab_size = logits_width(self.model)
+        self.submit_rules = SubmitRules(self.vocab_size, config.async_batching)
         device = self.model.device
         self._slots = RequestSlots(self.vocab_size, config.max_batch_size, device)
         self._log_probs = LogProbs(config.max_batch_size, device)
@@ -177,9 +178,7 @@ class PortableEngine(BlockingGenerate):
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         """Queue a request; `emit` is called from the engine's thread as tokens arrive. Raises InputError, naming
         the input, for controls out of range or a guide that does not compile."""
-        check_controls(request, self.vocab_size)
-        check_request(request)
-        check_batching(request, self.config.async_batching)
+        check_submit(request, self.submit_rules)
         compiled = self.guides.compile(request.guide) if request.guide is not None else None
         request_id = f"r{next(self._ids)}"
         active = _Active(request=request, emit=emit)

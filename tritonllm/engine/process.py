@@ -12,9 +12,9 @@ and it sends back everything its engine emitted since its previous message in on
 The child ends when its connection does: when the stub stops, or dies, the socket closes and the
 child exits, so no orphan keeps the GPU's memory.
 
-Requests, emissions and their generation controls travel pickled. The stub refuses out-of-range controls itself,
-from the limits the child reports when it is ready (the vocabulary, whether it batches asynchronously); a guide
-only the child can compile, so `submit` waits for the child's answer to a guided request.
+Requests, emissions and their generation controls travel pickled. The stub refuses what the child's engine
+would, by the engine's `SubmitRules`, which the child reports when it is ready; a guide only the child can
+compile, so `submit` waits for the child's answer to a guided request.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, check_request
-from tritonllm.engine.checks import check_batching, check_controls
-from tritonllm.engine.synthetic import SyntheticConfig, SyntheticEngine, check_supported
+from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, SubmitRules
+from tritonllm.engine.checks import check_submit
+from tritonllm.engine.synthetic import SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_ERROR
 
@@ -78,8 +78,7 @@ class EngineProcess(BlockingGenerate):
         self._load = (0, 0)  # the child's latest (requests in the batch, CUDA graphs held)
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
-        self._limits: dict = {}  # what the child's engine takes (its vocabulary, asynchronous batching)
-        self._synthetic = isinstance(config, SyntheticConfig)  # refuses what it cannot honour, here: a 400
+        self._rules = SubmitRules()  # what the child's engine refuses, checked here: a 400 before the child
         self._send(("config", config))
         try:
             answer = self._conn.recv()
@@ -88,18 +87,14 @@ class EngineProcess(BlockingGenerate):
         if answer[0] != "ready":
             self._process.wait()
             raise EngineProcessError(f"the engine's process failed to start: {answer[1]}")
-        self._limits = answer[1] if len(answer) > 1 else {}
+        self._rules = answer[1]
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
         self._reader.start()
 
     # ------------------------------------------------------------------ PortableEngine's interface
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
-        check_controls(request, self._limits.get("vocab_size"))
-        check_request(request)
-        check_batching(request, self._limits.get("async_batching", False))
-        if self._synthetic:
-            check_supported(request)
+        check_submit(request, self._rules)
         request_id = f"p{next(self._ids)}"
         admission = _Admission() if request.guide is not None else None
         with self._lock:
@@ -222,7 +217,7 @@ def serve_child(
     outgoing: queue.SimpleQueue = queue.SimpleQueue()
     requests = _Requests(engine, outgoing)
     sender = threading.Thread(target=_send_emissions, args=(conn, outgoing, engine), name="engine-process-sender")
-    conn.send(("ready", engine_limits(engine)))
+    conn.send(("ready", engine.submit_rules))
     sender.start()
     while True:
         try:
@@ -243,14 +238,6 @@ def serve_child(
     outgoing.put(None)
     sender.join()
     return 0
-
-
-def engine_limits(engine: BlockingGenerate) -> dict:
-    """What the parent checks requests against before sending them: the portable engine's vocabulary and whether it
-    batches asynchronously (the synthetic engine refuses the controls these bound itself)."""
-    if isinstance(engine, SyntheticEngine):
-        return {}
-    return {"vocab_size": engine.vocab_size, "async_batching": engine.config.async_batching}
 
 
 class _Requests:

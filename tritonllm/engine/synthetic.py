@@ -19,10 +19,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, check_request
-from tritonllm.engine.checks import check_controls
+from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, SubmitRules
+from tritonllm.engine.checks import check_submit
 from tritonllm.engine.lifecycle import Lifecycle
-from tritonllm.errors import InputError
 from tritonllm.options import option
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
 
@@ -61,23 +60,10 @@ class _Sequence(Lifecycle):
     position: int  # where in the passage its next token is
 
 
-def check_supported(request: GenerationRequest) -> None:
-    """InputError naming the first control the synthetic engine cannot honour."""
-    refused = [
-        (request.sampling.sample, "temperature", "sampling (temperature, runtime_top_k, runtime_top_p)"),
-        (not request.penalties.neutral, "repetition_penalty", "penalties"),
-        (bool(request.embedding_bias), "embedding_bias", "a bias"),
-        (request.log_probs >= 0, "return_log_probs", "log probabilities"),
-        (request.guide is not None, "guided_decoding_guide", "guided decoding"),
-        (bool(request.bad_words), "bad_words_list", "bad words"),
-    ]
-    for used, name, what in refused:
-        if used:
-            raise InputError(name, f"the synthetic benchmark engine writes fixed text: {what} is not available")
-
-
 class SyntheticEngine(BlockingGenerate):
     """One thread: every step, the next token for each running sequence; the portable engine's interface."""
+
+    submit_rules = SubmitRules(fixed_text=True)
 
     def __init__(self, config: SyntheticConfig) -> None:
         if not config.text_ids:
@@ -95,9 +81,7 @@ class SyntheticEngine(BlockingGenerate):
         self._loop_thread.start()
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
-        check_request(request)
-        check_controls(request)
-        check_supported(request)
+        check_submit(request, self.submit_rules)
         request_id = f"s{next(self._ids)}"
         start = zlib.crc32(bytes(str(request.input_ids), "ascii")) % len(self.config.text_ids)
         with self._lock:

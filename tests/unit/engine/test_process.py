@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.polling import eventually
-from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, Guide, SamplingParams
+from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, Guide, SamplingParams, SubmitRules
 from tritonllm.engine.portable import PortableEngine
 from tritonllm.engine.process import ADMITTED, EngineProcess, EngineProcessError, serve_child
 from tritonllm.errors import InputError
@@ -134,8 +134,7 @@ class CompilingEngine:
     """A stand-in engine whose `submit` of a guided request blocks until the test says, as a new grammar's compile
     does; a plain request ends inside its `submit`, before its id is returned."""
 
-    vocab_size = 100
-    config = EngineConfig("unused")
+    submit_rules = SubmitRules(vocab_size=100)
 
     def __init__(self) -> None:
         self.compiled = threading.Event()
