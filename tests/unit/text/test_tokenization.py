@@ -37,18 +37,39 @@ def test_outputs_match_the_tokenizer(pre, tokenizer):
     assert out["STOP_WORDS_IDS"].shape[:2] == (2, 2)
 
 
+class CountingTokenizer:
+    """The tokenizer, recording the texts of each call."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.calls = tokenizer, []
+
+    def __call__(self, texts, **kwargs):
+        self.calls.append(list(texts))
+        return self.tokenizer(texts, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
 def test_a_prompt_tokenized_once_is_not_tokenized_again(pre, monkeypatch):
     """The OpenAI layer counts a prompt's tokens with `tokenize_prompt` and hands them on: `process` takes them as
     they are, and still checks the request; a batch, or the chat template, is tokenized here."""
     ids = pre.tokenize_prompt("Hello world")
     [alone] = pre.process([request("Hello world")])
-    monkeypatch.setattr(pre, "tokenizer", None)  # tokenizing now would fail
+    [chat_alone] = pre.process([request("Hello world", APPLY_CHAT_TEMPLATE=np.array([[True]]))])
+    [batch_alone] = pre.process([request("Hello", "world")])
+    counting = CountingTokenizer(pre.tokenizer)
+    monkeypatch.setattr(pre, "tokenizer", counting)
     [given] = pre.process([request("Hello world")], [ids])
     assert {k: v.tolist() for k, v in given.items()} == {k: v.tolist() for k, v in alone.items()}
     [too_long] = pre.process([request("Hello world", max_tokens=LIMITS.max_seq_len)], [ids])
     assert isinstance(too_long, InputError) and too_long.field == "max_tokens"
-    with pytest.raises(TypeError):  # two rows: the ids of one prompt do not answer them
-        pre.process([request("Hello", "world")], [ids])
+    assert counting.calls == []
+    [chat] = pre.process([request("Hello world", APPLY_CHAT_TEMPLATE=np.array([[True]]))], [ids])
+    [batch] = pre.process([request("Hello", "world")], [ids])  # the ids of one prompt do not answer two rows
+    assert len(counting.calls) == 2
+    assert chat["INPUT_ID"].tolist() == chat_alone["INPUT_ID"].tolist() != alone["INPUT_ID"].tolist()
+    assert batch["INPUT_ID"].tolist() == batch_alone["INPUT_ID"].tolist()
 
 
 def test_batch_of_requests_each_answered(pre):
