@@ -122,6 +122,9 @@ def default_workers(cores: int) -> int:
     return max(1, min(8, cores // 4))
 
 
+APP_FACTORY = "tritonllm.openai.app:app_from_environment"  # each worker's app, made in the worker
+
+
 def app_from_environment() -> FastAPI:
     """The app of one worker process, from the settings `main` left in the environment (uvicorn's factory).
 
@@ -209,14 +212,25 @@ def main(argv: list[str] | None = None) -> int:
         repository=args.repository,
     )
     if args.workers == 1:
-        app: FastAPI | str = create_app(settings)
-    else:  # uvicorn starts each worker from an import string; this process only supervises them
-        os.environ[SETTINGS_VARIABLE] = json.dumps(dataclasses.asdict(settings))
-        app = "tritonllm.openai.app:app_from_environment"  # a worker that fails to start stops them all
-    uvicorn.run(
-        app, factory=args.workers > 1, workers=args.workers, host=args.host, port=args.port, log_level="warning"
-    )
-    return 0
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+        return 0
+    # uvicorn starts each worker from an import string; this process only supervises them
+    os.environ[SETTINGS_VARIABLE] = json.dumps(dataclasses.asdict(settings))
+    return supervise_workers(args.workers, args.host, args.port)
+
+
+def supervise_workers(workers: int, host: str, port: int) -> int:
+    """Runs `workers` processes on one port under uvicorn's supervisor, until it stops them. Its exit code:
+    uvicorn's startup-failure code when a worker could not start (uvicorn then stops them all, and returns as from
+    a clean stop, so a launcher would take the failure for a normal end), else 0."""
+    from uvicorn import Config
+    from uvicorn.config import STARTUP_FAILURE
+    from uvicorn.supervisors import Multiprocess
+
+    config = Config(APP_FACTORY, factory=True, workers=workers, host=host, port=port, log_level="warning")
+    supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+    supervisor.run()
+    return STARTUP_FAILURE if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes) else 0
 
 
 if __name__ == "__main__":
