@@ -442,7 +442,8 @@ def verdict(values: list[float], neutral: float, higher_is_better: bool = True) 
     return "within noise"
 
 
-def _compared(values: list[float], unit: str, neutral: float, higher_is_better: bool = True) -> str:
+def compared(values: list[float], unit: str, neutral: float, higher_is_better: bool = True) -> str:
+    """Three table cells: the median of per-round values, their range and the verdict."""
     if not values:
         return "— | — | —"
     middle, low, high = statistics.median(values), min(values), max(values)
@@ -490,10 +491,10 @@ def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems:
             head = f"| {mine}, {entry} | {theirs} | {precision} | {load} |"
             for concurrency in (1, top):
                 ratios = per_round(ours, peer, concurrency, "tokens_per_s", lambda a, b: a / b)
-                lines.append(f"{head} tokens/s c={concurrency} | {_compared(ratios, '.2f', 1.0)} |")
+                lines.append(f"{head} tokens/s c={concurrency} | {compared(ratios, '.2f', 1.0)} |")
             gaps = per_round(ours, peer, 1, "ttft_p50_ms", lambda a, b: a - b)
             if gaps:
-                lines.append(f"{head} first token p50, ms | {_compared(gaps, '+.1f', 0.0, False)} |")
+                lines.append(f"{head} first token p50, ms | {compared(gaps, '+.1f', 0.0, False)} |")
     if len(args.loads) > 1:
         lines += [
             "",

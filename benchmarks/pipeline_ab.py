@@ -22,13 +22,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.peers import median, spread, verdict
+from benchmarks.peers import compared, median, spread
 
 HERE = Path(__file__).resolve().parents[1]
 
 
 def run(checkout: Path, out: Path, options: list[str]) -> dict[tuple[str, int], float]:
-    """One pipeline run of `checkout`'s code: tokens/s per (target, level)."""
+    """One pipeline run of `checkout`'s code: tokens/s per (target, level). `options` last: pipeline.py's
+    --build-args takes every option after it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")])))
     command = [sys.executable, str(checkout / "benchmarks" / "pipeline.py"), "--out", str(out), *options]
     code = subprocess.run(command, cwd=checkout, env=env).returncode
@@ -40,17 +41,17 @@ def run(checkout: Path, out: Path, options: list[str]) -> dict[tuple[str, int], 
 
 def report(this: list[dict], base: list[dict]) -> str:
     lines = [
-        "| target | streams | tokens/s, this: median (range) | base | this / base, each round: median (range) "
+        "| target | streams | tokens/s, this: median (range) | base | this / base, each round: median | range "
         "| verdict |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
-    for key in sorted(this[0], key=lambda k: (k[1], k[0])):
-        ours, theirs = [r[key] for r in this if key in r], [r[key] for r in base if key in r]
+    for key in sorted({key for run in this + base for key in run}, key=lambda k: (k[1], k[0])):
+        sides = []
+        for runs in (this, base):
+            values = [r[key] for r in runs if key in r]
+            sides.append(f"{median(values):,.0f} ({spread(values)})" if values else "—")
         ratios = [t[key] / b[key] for t, b in zip(this, base, strict=True) if key in t and b.get(key)]
-        lines.append(
-            f"| {key[0]} | {key[1]} | {median(ours):,.0f} ({spread(ours)}) | {median(theirs):,.0f} ({spread(theirs)}) "
-            f"| {median(ratios):.3f} ({min(ratios):.3f} to {max(ratios):.3f}) | {verdict(ratios, 1.0)} |"
-        )
+        lines.append(f"| {key[0]} | {key[1]} | {sides[0]} | {sides[1]} | {compared(ratios, '.3f', 1.0)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -65,9 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     base = args.base.resolve()
     if not (base / "benchmarks" / "pipeline.py").is_file():
         raise SystemExit(f"pipeline_ab: {base} is not a checkout of this project (git worktree add {base} REV)")
-    options += ["--build-dir", str(args.build_dir.resolve())]
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    options = ["--build-dir", str(args.build_dir.resolve()), *options]
     if args.tokenizer_dir is not None:
-        options += ["--tokenizer-dir", str(args.tokenizer_dir.resolve())]
+        options = ["--tokenizer-dir", str(args.tokenizer_dir.resolve()), *options]
     out = args.out.resolve()
     results: dict[str, list[dict]] = {"this": [], "base": []}
     for round_ in range(args.rounds):

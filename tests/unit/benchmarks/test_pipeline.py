@@ -1,7 +1,13 @@
-"""bench-pipeline's arithmetic: the steady window, the added latencies and the ratio to the engine alone."""
+"""bench-pipeline's arithmetic: the steady window, the added latencies and the ratio to the engine alone; pipeline_ab's
+runs and report."""
+
+import json
+import os
+from pathlib import Path
 
 import pytest
 
+from benchmarks import pipeline_ab
 from benchmarks.loadgen import Record
 from benchmarks.pipeline import summarize, table_rows
 from benchmarks.pipeline_ab import report
@@ -42,14 +48,44 @@ def test_a_level_where_every_request_failed_says_so():
 
 
 def test_the_ab_report_pairs_rounds_and_calls_a_verdict():
-    this = [
-        {("bls_grpc", 512): 110.0, ("engine_stream", 512): 90.0},
-        {("bls_grpc", 512): 120.0, ("engine_stream", 512): 100.0},
-    ]
-    base = [
-        {("bls_grpc", 512): 100.0, ("engine_stream", 512): 100.0},
-        {("bls_grpc", 512): 100.0, ("engine_stream", 512): 95.0},
-    ]
+    bls, engine = ("bls_grpc", 512), ("engine_stream", 512)
+    this = [{bls: 110.0, engine: 90.0}, {bls: 120.0, engine: 100.0}]
+    base = [{bls: 100.0, engine: 100.0}, {bls: 100.0, engine: 95.0}]
+    base[1].pop(bls)  # a level one run did not reach
     rows = report(this, base).splitlines()[2:]
-    assert rows[0] == "| bls_grpc | 512 | 115 (110.0 to 120.0) | 100 (100.0) | 1.150 (1.100 to 1.200) | ahead |"
-    assert rows[1].endswith("| 0.976 (0.900 to 1.053) | within noise |")
+    assert rows[0] == "| bls_grpc | 512 | 115 (110.0 to 120.0) | 100 (100.0) | 1.100 | 1.100 to 1.100 | ahead |"
+    assert rows[1].endswith("| 0.976 | 0.900 to 1.053 | within noise |")
+
+
+# A checkout's pipeline.py: it records where it ran and with what, in turn, and reports RATE tokens/s.
+STUB_PIPELINE = """import json, os, sys
+from pathlib import Path
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+out.mkdir(parents=True)
+with (out.parent / "runs.jsonl").open("a") as runs:
+    runs.write(json.dumps({"cwd": os.getcwd(), "argv": sys.argv[1:], "path": os.environ["PYTHONPATH"]}) + "\\n")
+(out / "pipeline.csv").write_text("target,concurrency,output_tokens_per_s\\nengine_stream,512,RATE\\n")
+"""
+
+
+def test_each_run_starts_from_its_checkout_in_alternated_order(tmp_path, monkeypatch):
+    checkouts = {}
+    for side, rate in (("this", 110), ("base", 100)):
+        checkouts[side] = tmp_path / side
+        (checkouts[side] / "benchmarks").mkdir(parents=True)
+        (checkouts[side] / "benchmarks" / "pipeline.py").write_text(STUB_PIPELINE.replace("RATE", str(rate)))
+    monkeypatch.setattr(pipeline_ab, "HERE", checkouts["this"])
+    out = tmp_path / "out"
+    argv = ["--base", str(checkouts["base"]), "--rounds", "3", "--out", str(out), "--tokenizer-dir", "tok"]
+    assert pipeline_ab.main([*argv, "--levels", "512", "--build-args", "--engine-process"]) == 0
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    order = [Path(run["cwd"]).name for run in runs]
+    assert order == ["this", "base", "base", "this", "this", "base"]
+    for run in runs:  # its own code first; the script's options before --build-args, which takes the rest
+        assert run["path"].split(os.pathsep)[0] == run["cwd"]
+        assert run["argv"][-3:] == ["512", "--build-args", "--engine-process"]
+        assert "--build-dir" in run["argv"] and str(Path("tok").resolve()) in run["argv"]
+    assert (
+        "| engine_stream | 512 | 110 (110.0) | 100 (100.0) | 1.100 | 1.100 to 1.100 | ahead |"
+        in (out / "ab.md").read_text()
+    )
