@@ -29,6 +29,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from uvicorn.config import STARTUP_FAILURE
 
 from tritonllm.errors import ErrorKind
 from tritonllm.openai import routes
@@ -130,8 +131,6 @@ def app_from_environment() -> FastAPI:
 
     A worker that cannot make it (a tokenizer that does not load) exits with uvicorn's startup-failure code, which
     stops the others: any other exit and uvicorn starts it again, and again."""
-    from uvicorn.config import STARTUP_FAILURE
-
     try:
         return create_app(Settings(**json.loads(os.environ[SETTINGS_VARIABLE])))
     except Exception:
@@ -212,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         repository=args.repository,
     )
     if args.workers == 1:
-        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="warning")
+        try:
+            app = create_app(settings)
+        except Exception:  # as a worker that cannot start: the same exit code with one worker or several
+            traceback.print_exc()
+            return STARTUP_FAILURE
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
         return 0
     # uvicorn starts each worker from an import string; this process only supervises them
     os.environ[SETTINGS_VARIABLE] = json.dumps(dataclasses.asdict(settings))
@@ -224,7 +228,6 @@ def supervise_workers(workers: int, host: str, port: int) -> int:
     uvicorn's startup-failure code when a worker could not start (uvicorn then stops them all, and returns as from
     a clean stop, so a launcher would take the failure for a normal end), else 0."""
     from uvicorn import Config
-    from uvicorn.config import STARTUP_FAILURE
     from uvicorn.supervisors import Multiprocess
 
     config = Config(APP_FACTORY, factory=True, workers=workers, host=host, port=port, log_level="warning")
