@@ -49,7 +49,7 @@ def check_guide_fields(kind: str | None, text: str) -> None:
         raise InputError("guided_decoding_guide", f"is required with guided_decoding_guide_type {kind!r}")
 
 
-def check_controls(request: GenerationRequest, vocab_size: int | None = None) -> None:
+def check_controls(request: GenerationRequest, vocab_size: int | None) -> None:
     """InputError for penalties, embedding bias, log probabilities or a guide out of range. `vocab_size` (when
     known): the model's, which bias token ids must be below."""
     check_penalties(request.penalties)

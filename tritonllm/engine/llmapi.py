@@ -25,7 +25,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, TokenLogProbs, check_request
+from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, TokenLogProbs
+from tritonllm.engine.checks import check_submit
 from tritonllm.engine.grammar_check import check_guide
 from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.engine.llmapi_config import TOKENS_PER_BLOCK
@@ -92,7 +93,7 @@ class LlmApiEngine(BlockingGenerate):
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         if self._closed or self._dead:
             raise EngineFailure(f"the engine takes no requests: {self._dead or 'it is shutting down'}")
-        check_request(request)
+        check_submit(request, self.submit_rules)
         if request.guide is not None:  # compiled in TensorRT-LLM's batch step, where a bad one fails late
             check_guide(request.guide.type, request.guide.text)
         params = self._sampling_params(request)

@@ -78,7 +78,6 @@ class EngineProcess(BlockingGenerate):
         self._load = (0, 0)  # the child's latest (requests in the batch, CUDA graphs held)
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
-        self._rules = SubmitRules()  # what the child's engine refuses, checked here: a 400 before the child
         self._send(("config", config))
         try:
             answer = self._conn.recv()
@@ -87,14 +86,14 @@ class EngineProcess(BlockingGenerate):
         if answer[0] != "ready":
             self._process.wait()
             raise EngineProcessError(f"the engine's process failed to start: {answer[1]}")
-        self._rules = answer[1]
+        self.submit_rules: SubmitRules = answer[1]  # what the child's engine refuses, checked here: a 400 at once
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
         self._reader.start()
 
     # ------------------------------------------------------------------ PortableEngine's interface
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
-        check_submit(request, self._rules)
+        check_submit(request, self.submit_rules)
         request_id = f"p{next(self._ids)}"
         admission = _Admission() if request.guide is not None else None
         with self._lock:

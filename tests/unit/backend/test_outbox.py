@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
 
+from tests.polling import eventually
 from tritonllm.backend.outbox import Outbox, coalesce
 from tritonllm.engine.api import Emission, TokenLogProbs
 
@@ -63,14 +63,11 @@ def test_outbox_sends_each_item_alone_when_idle_and_merged_when_busy():
     box = Outbox("test-sender", send, *TEXT, tick=lambda: None, period=0.05, report=print)
     try:
         box.put(key, "a")
-        deadline = time.monotonic() + 5
-        while not sent and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: sent, 5)
         for item in "bcd":
             box.put(key, item)
         release.set()
-        while len(sent) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: len(sent) >= 2, 5)
     finally:
         box.close()
     assert sent == [(key, "a"), (key, "bcd")]
@@ -96,9 +93,7 @@ def test_outbox_survives_a_failing_send_and_ticks():
     try:
         box.put("k1", "bad")
         box.put("k2", "good")
-        deadline = time.monotonic() + 5
-        while (not sent or len(ticks) < 2) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        eventually(lambda: sent and len(ticks) >= 2, 5)
     finally:
         box.close()
     assert sent == ["good"]

@@ -5,6 +5,7 @@ import threading
 
 import pytest
 
+from tests.polling import eventually
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
@@ -67,11 +68,7 @@ def test_requests_beyond_the_batch_wait_and_cancel_frees_a_place(engine):
         for i in range(3)
     ]
     assert engine.running() == 3
-    for _ in range(100):
-        if engine.in_batch() == 2:
-            break
-        threading.Event().wait(0.01)
-    assert engine.in_batch() == 2
+    assert eventually(lambda: engine.in_batch() == 2, 1)
     engine.cancel(ids[0])
     assert finals[0].finish_reason == FINISH_CANCELLED
     assert engine.running() == 2

@@ -38,16 +38,17 @@ def test_outputs_match_the_tokenizer(pre, tokenizer):
 
 
 class CountingTokenizer:
-    """The tokenizer, recording the texts of each call."""
+    """The tokenizer, recording the texts of each call and the name of anything else asked of it."""
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer, self.calls = tokenizer, []
+        self.tokenizer, self.calls, self.used = tokenizer, [], []
 
     def __call__(self, texts, **kwargs):
         self.calls.append(list(texts))
         return self.tokenizer(texts, **kwargs)
 
     def __getattr__(self, name):
+        self.used.append(name)
         return getattr(self.tokenizer, name)
 
 
@@ -64,10 +65,11 @@ def test_a_prompt_tokenized_once_is_not_tokenized_again(pre, monkeypatch):
     assert {k: v.tolist() for k, v in given.items()} == {k: v.tolist() for k, v in alone.items()}
     [too_long] = pre.process([request("Hello world", max_tokens=LIMITS.max_seq_len)], [ids])
     assert isinstance(too_long, InputError) and too_long.field == "max_tokens"
-    assert counting.calls == []
+    assert counting.calls == [] and counting.used == []
     [chat] = pre.process([request("Hello world", APPLY_CHAT_TEMPLATE=np.array([[True]]))], [ids])
     [batch] = pre.process([request("Hello", "world")], [ids])  # the ids of one prompt do not answer two rows
-    assert len(counting.calls) == 2
+    assert len(counting.calls) == 2 and "Hello world" in counting.calls[0][0] != "Hello world"
+    assert counting.calls[1] == ["Hello", "world"]
     assert chat["INPUT_ID"].tolist() == chat_alone["INPUT_ID"].tolist() != alone["INPUT_ID"].tolist()
     assert batch["INPUT_ID"].tolist() == batch_alone["INPUT_ID"].tolist()
 
