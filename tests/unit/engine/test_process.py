@@ -166,7 +166,7 @@ def test_a_compiling_guide_holds_up_neither_emissions_nor_other_requests():
     served = threading.Thread(target=serve_child, args=(child_end, lambda _: engine), daemon=True)
     served.start()
     parent.send(("config", None))
-    assert parent.poll(10) and parent.recv()[0] == "ready"
+    assert parent.poll(10) and parent.recv() == ("ready", CompilingEngine.submit_rules)  # what the parent checks
     guided = GenerationRequest([1, 2], max_new_tokens=1, guide=Guide("regex", "[0-9]+"))
     parent.send(("submit", "p0", guided))
     parent.send(("submit", "p1", GenerationRequest([1, 2], max_new_tokens=1)))
