@@ -126,16 +126,20 @@ def default_workers(cores: int) -> int:
 APP_FACTORY = "tritonllm.openai.app:app_from_environment"  # each worker's app, made in the worker
 
 
-def app_from_environment() -> FastAPI:
-    """The app of one worker process, from the settings `main` left in the environment (uvicorn's factory).
-
-    A worker that cannot make it (a tokenizer that does not load) exits with uvicorn's startup-failure code, which
-    stops the others: any other exit and uvicorn starts it again, and again."""
+def app_or_exit(settings: Settings) -> FastAPI:
+    """`create_app`, or an exit with uvicorn's startup-failure code when it cannot be made (a tokenizer that does
+    not load): in a worker that code stops the others (any other exit and uvicorn starts it again, and again), and
+    the layer exits with it whether it runs one worker or several."""
     try:
-        return create_app(Settings(**json.loads(os.environ[SETTINGS_VARIABLE])))
+        return create_app(settings)
     except Exception:
         traceback.print_exc()
         sys.exit(STARTUP_FAILURE)
+
+
+def app_from_environment() -> FastAPI:
+    """The app of one worker process, from the settings `main` left in the environment (uvicorn's factory)."""
+    return app_or_exit(Settings(**json.loads(os.environ[SETTINGS_VARIABLE])))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,12 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         repository=args.repository,
     )
     if args.workers == 1:
-        try:
-            app = create_app(settings)
-        except Exception:  # as a worker that cannot start: the same exit code with one worker or several
-            traceback.print_exc()
-            return STARTUP_FAILURE
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app_or_exit(settings), host=args.host, port=args.port, log_level="warning")
         return 0
     # uvicorn starts each worker from an import string; this process only supervises them
     os.environ[SETTINGS_VARIABLE] = json.dumps(dataclasses.asdict(settings))
