@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from client import GenerationError, generate, infer_inputs, request_tensors, str
 from tests.conftest import BUILD, ROOT
 from tests.integration.test_streaming import wait_for_in_flight
 from tritonllm.launch.tritonserver import free_port, http_ready
-from tritonllm.protocol import DECOUPLED_ENGINE_MODEL
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, stop_request_tensors
+from tritonllm.repository.plan import text_instances
 
 pytestmark = pytest.mark.integration
 
@@ -71,21 +73,29 @@ class Serve:
         )
         return int(out.stdout.split()[0])
 
-    def engine_stub_pid(self) -> int:
+    def engine_stub_pids(self) -> list[int]:
+        """The engine model's instances' stubs."""
         server = str(self.tritonserver_pid())
         out = subprocess.run(
             ["pgrep", "-a", "-f", f"{DECOUPLED_ENGINE_MODEL}/1/model.py"], capture_output=True, text=True
         ).stdout
-        for line in out.splitlines():
-            if server in line.split():
-                return int(line.split()[0])
-        raise AssertionError(f"no engine stub of tritonserver {server}: {out}")
+        stubs = [int(line.split()[0]) for line in out.splitlines() if server in line.split()]
+        assert stubs, f"no engine stub of tritonserver {server}: {out}"
+        return stubs
+
+    def engine_stub_pid(self) -> int:
+        return self.engine_stub_pids()[0]
 
     def engine_child_pid(self) -> int:
-        """The process of an engine built with --engine-process (tritonllm/engine/process.py)."""
-        out = subprocess.run(["pgrep", "-P", str(self.engine_stub_pid())], capture_output=True, text=True).stdout
-        (pid,) = out.split()
-        return int(pid)
+        """The process of an engine built with --engine-process (tritonllm/engine/process_child.py), which one of
+        the instances started and all of them share."""
+        children = [
+            int(pid)
+            for stub in self.engine_stub_pids()
+            for pid in subprocess.run(["pgrep", "-P", str(stub)], capture_output=True, text=True).stdout.split()
+        ]
+        (pid,) = children
+        return pid
 
     def tail(self) -> str:
         return self.log.read_text()[-3000:] if self.log.exists() else ""
@@ -142,13 +152,58 @@ def engine_process_serve(tmp_path_factory, engine_process_build):
 def test_the_engine_in_its_own_process_answers_as_in_the_model_process(engine_process_serve, server):
     serve = engine_process_serve
     prompt = "What is the capital of France?"
-    assert serve.engine_child_pid()
+    # One engine for the engine model's instances, as many as the text models' (tritonllm/repository/plan.py).
+    assert len(serve.engine_stub_pids()) == text_instances(os.cpu_count() or 2) and serve.engine_child_pid()
     # Only the engine's process loads torch; the stub parses requests and sends responses.
     assert "libtorch" not in Path(f"/proc/{serve.engine_stub_pid()}/maps").read_text()
     assert "libtorch" in Path(f"/proc/{serve.engine_child_pid()}/maps").read_text()
     assert generate(prompt, 16, url=serve.url) == generate(prompt, 16, url=server.http_url)
     streamed = "".join(c.text for c in stream(prompt, 16, url=f"127.0.0.1:{serve.grpc}"))
     assert streamed == generate(prompt, 16, url=server.http_url)
+
+
+def test_a_stop_request_ends_a_stream_whichever_instance_it_reaches(engine_process_serve):
+    """TensorRT-LLM's `stop` request reaches one instance of the engine model, and Triton spreads the streams over
+    them: the engine's process relays it to every instance (tritonllm/engine/process_child.py)."""
+    grpc_url = f"127.0.0.1:{engine_process_serve.grpc}"
+    prompt = [
+        ("input_ids", np.array([[1, 2, 3, 4]], np.int32), "INT32"),
+        ("input_lengths", np.array([[4]], np.int32), "INT32"),
+    ]
+    long = [
+        *prompt,
+        ("request_output_len", np.array([[400]], np.int32), "INT32"),
+        ("streaming", np.array([[True]]), "BOOL"),
+    ]
+    for attempt in range(4):  # one stream and one stop at a time: over the attempts, both land on every instance
+        responses: queue.Queue = queue.Queue()
+        with (
+            grpcclient.InferenceServerClient(grpc_url) as triton,
+            grpcclient.InferenceServerClient(grpc_url) as stopper,
+        ):
+            triton.start_stream(callback=lambda result, error, answers=responses: answers.put((result, error)))
+            triton.async_stream_infer(
+                DECOUPLED_ENGINE_MODEL,
+                infer_inputs(grpcclient, long),
+                request_id=f"long-{attempt}",
+                enable_empty_final_response=True,
+            )
+            got = [responses.get(timeout=60)]  # generating
+            stopper.start_stream(callback=lambda result, error: None)
+            stopper.async_stream_infer(
+                DECOUPLED_ENGINE_MODEL, infer_inputs(grpcclient, stop_request_tensors()), request_id=f"long-{attempt}"
+            )
+            while not got[-1][0].get_response().parameters["triton_final_response"].bool_param:
+                got.append(responses.get(timeout=60))
+            stopper.stop_stream()
+            triton.stop_stream()
+        assert all(error is None for _, error in got)
+        generated = sum(
+            len(result.as_numpy("output_ids").reshape(-1))
+            for result, _ in got
+            if result.as_numpy("output_ids") is not None
+        )
+        assert 0 < generated < 400, f"attempt {attempt}: the stop did not end the stream"
 
 
 @pytest.mark.parametrize("engine_process", [False, True], ids=["engine-in-the-stub", "engine-process"])

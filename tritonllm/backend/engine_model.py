@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,14 +100,19 @@ class _Generation:
     times: RowTimes | None = None
 
 
-def load_engine(folder: Path, device: str) -> tuple[BlockingGenerate, str]:
-    """The engine the build configured in the model's version folder, and what it is, for the log."""
+def load_engine(
+    folder: Path, device: str, on_stop: Callable[[str], None] = lambda request_id: None
+) -> tuple[BlockingGenerate, str]:
+    """The engine the build configured in the model's version folder, and what it is, for the log. An engine in a
+    process of its own is shared by the model's instances on the same device of the same server (a stub's parent
+    process is the server), and calls `on_stop` for the `stop` requests any of them received."""
+    shared_as = f"{os.getppid()}:{folder.resolve()}"
     synthetic = folder / SYNTHETIC_CONFIG_FILE
     if synthetic.is_file():  # a benchmark instrument (build_engines.py --engine synthetic)
         config = SyntheticConfig(**json.loads(synthetic.read_text()))
         what = f"synthetic benchmark engine, {config.step_ms} ms per step"
         if config.engine_process:
-            return EngineProcess(config), f"{what}, in a process of its own"
+            return EngineProcess(config, shared_as, on_stop), f"{what}, in a process of its own"
         return SyntheticEngine(config), what
     llm_api = folder / LLM_API_CONFIG_FILE
     if llm_api.is_file():  # build_engines.py --engine trtllm-llmapi: TensorRT-LLM's LLM API, in NVIDIA's image
@@ -123,7 +130,8 @@ def load_engine(folder: Path, device: str) -> tuple[BlockingGenerate, str]:
         return engine, f"llama.cpp engine ({engine.description})"
     # The engine in a child process (tritonllm/engine/process.py), which alone then loads torch, or in this one.
     if engine_config.engine_process:
-        return EngineProcess(engine_config), f"portable engine on {device}, in a process of its own"
+        engine = EngineProcess(engine_config, shared_as, on_stop)
+        return engine, f"portable engine on {device}, in a process of its own"
     from tritonllm.engine.portable import PortableEngine
 
     return PortableEngine(engine_config), f"portable engine on {device}, in the model's process"
@@ -144,11 +152,11 @@ class EngineModel:
         self.capacity = int(config["max_batch_size"]) + int(params["max_queue_size"])
         folder = Path(args["model_repository"]) / args["model_version"]
         started = time.perf_counter()
-        self.engine, what = load_engine(folder, device)
+        self._live: dict[int, _Call] = {}
+        self.engine, what = load_engine(folder, device, self._stop_calls)
         # The batching manager's first step is slow (allocation, kernel selection): pay it now.
         self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)
         log_info(f"tensorrt_llm: {what}, ready in {time.perf_counter() - started:.1f} s")
-        self._live: dict[int, _Call] = {}
         self.metrics = EngineMetrics(args["model_name"], args["model_version"])
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # Finished or an error label, for _tick
         self._outbox: Outbox[Emission] = Outbox(
@@ -250,10 +258,15 @@ class EngineModel:
         if not self.engine.alive():  # so the health probe (tritonllm.launch.tritonserver.probe_engine) fails
             sender.send(error_response(EngineFailure("the engine's generation loop has stopped")), flags=FINAL)
             return
+        if not self.engine.relay_stop(request_id):
+            self._stop_calls(request_id)
+        sender.send(flags=FINAL)
+
+    def _stop_calls(self, request_id: str) -> None:
+        """Ends this instance's calls that carry the client's request id (from the engine's thread, when relayed)."""
         for call in list(self._live.values()):
             if call.request_id == request_id:
                 self._cancel(call)
-        sender.send(flags=FINAL)
 
     def _on_emission(self, generation: _Generation, emission: Emission) -> None:
         """From the engine's thread: queue what to send, never block."""

@@ -227,7 +227,8 @@ class EngineConfig:
     engine_process: bool | None = option(
         None,
         "run the engine in a process of its own beside the engine model's (default: on CUDA), so that sending a "
-        "response per token per stream does not take the generation loop's interpreter lock",
+        "response per token per stream does not take the generation loop's interpreter lock; the engine model then "
+        "has as many instances as the text models, each sending its own requests' responses from one shared engine",
     )
     prefix_cache: bool = option(
         False,
@@ -330,6 +331,11 @@ class BlockingGenerate:
     def captured_graphs(self) -> int:
         """CUDA graphs the engine holds (the engine model's gauge); none but the transformers engine's on CUDA."""
         return 0
+
+    def relay_stop(self, request_id: str) -> bool:
+        """Hands TensorRT-LLM's `stop` request for a client request id to every engine-model instance the engine
+        serves, each of which ends its calls that carry it; False when it serves the caller's instance alone."""
+        return False
 
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> tuple[list[int], str]:
         """Blocking helper: the generated tokens and finish reason of one non-streaming request."""

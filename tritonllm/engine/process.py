@@ -1,16 +1,20 @@
 """The portable engine (or the synthetic benchmark engine) in a process of its own, as vLLM's engine core runs apart
-from its API server.
+from its API servers, shared by every instance of the engine model.
 
 In one process, a single interpreter lock carries both the generation loop (transformers' host work
 for every step of every request) and the engine model's response sender (a Triton response per token
 per stream): under a heavy load on a GPU the stub's one core bounds the served streams below the same
 engine in-process (docs/performance.md, "The engine in its own process"). With
 `EngineProcess` the stub parses requests and sends responses while a child process
-(`python -m tritonllm.engine.process FD`) runs `PortableEngine`; requests go to it one message each,
-and it sends back everything its engine emitted since its previous message in one message.
+(tritonllm/engine/process_child.py) runs `PortableEngine`; requests go to it one message each,
+and it sends back everything its engine emitted since its previous message in one message. Several instances
+of the engine model, each a process with its own interpreter lock, connect to the same child: the responses of
+one engine are sent by several senders.
 
-The child ends when its connection does: when the stub stops, or dies, the socket closes and the
-child exits, so no orphan keeps the GPU's memory.
+Instances that name the same `shared_as` and configuration share one child: it listens on a Unix socket in a
+folder only this user may enter, and the first instance to find no child there starts it, holding a lock file
+beside the socket that the others wait on. The child ends when its last connection does: when the instances
+stop, or die, the sockets close and the child exits, so no orphan keeps the GPU's memory.
 
 Requests, emissions and their generation controls travel pickled. The stub refuses what the child's engine
 would, by the engine's `SubmitRules`, which the child reports when it is ready; a guide only the child can
@@ -20,35 +24,32 @@ compile, so `submit` waits for the child's answer to a guided request.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import os
-import queue
+import secrets
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, SubmitRules
 from tritonllm.engine.checks import check_submit
-from tritonllm.engine.synthetic import SyntheticConfig, SyntheticEngine
+from tritonllm.engine.process_child import REFUSED, lock
+from tritonllm.engine.synthetic import SyntheticConfig
 from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_ERROR
 
-LOAD_PERIOD = 0.2  # seconds between the child's load reports while it emits nothing
+SHUTDOWN_REASON = "the engine is shutting down"  # as the engines' own shutdown says it
 
 
 class EngineProcessError(EngineFailure):
     """The engine's process failed to start, or ended."""
-
-
-# The child's answers to a submit, sent among its emissions as plain tuples (the child runs this module as
-# __main__, whose classes the parent could not unpickle): ("admitted",) when its engine queued a request the parent
-# waits on (a guided one); ("refused", field, message) when its engine's `submit` raised InputError.
-ADMITTED = "admitted"
-REFUSED = "refused"
 
 
 class _Admission:
@@ -59,32 +60,62 @@ class _Admission:
         self.answer: tuple = ()  # empty: the request ended (or the child did) before an answer
 
 
-class EngineProcess(BlockingGenerate):
-    """`PortableEngine`'s interface, served by a child process (the synthetic engine, for its configuration). `emit`
-    callbacks run on this process's reader thread, in the order the child's engine made the emissions."""
-
-    def __init__(self, config: EngineConfig | SyntheticConfig) -> None:
-        here, there = socket.socketpair()
-        self._conn = Connection(here.detach())
-        # In a stub, sys.executable is the server environment's python, whose packages the stub imports.
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "tritonllm.engine.process", str(there.fileno())], pass_fds=[there.fileno()]
+def runtime_dir() -> Path:
+    """Where the children's sockets and lock files are: a folder of this user's that nobody else may enter (a
+    connection may submit requests, pickled)."""
+    folder = Path(tempfile.gettempdir()) / f"tritonllm-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise EngineProcessError(
+            f"{folder} must be a folder of this user's that others cannot enter; remove it or set TMPDIR"
         )
-        there.close()
+    return folder
+
+
+def socket_path(config: EngineConfig | SyntheticConfig, shared_as: str | None) -> Path:
+    """The child's socket: one per `shared_as` and configuration; None gives a child of one's own."""
+    scope = shared_as if shared_as is not None else secrets.token_hex(16)
+    return runtime_dir() / (hashlib.sha256(f"{scope}\n{config!r}".encode()).hexdigest()[:24] + ".sock")
+
+
+class EngineProcess(BlockingGenerate):
+    """`PortableEngine`'s interface, served by a child process (the synthetic engine, for its configuration) that
+    instances naming the same `shared_as` and configuration share (None: one of its own). `emit` callbacks run on
+    this process's reader thread, in the order the child's engine made the emissions; `on_stop` there too, with the
+    client request id of a `stop` request that any of the sharing instances received (`relay_stop`)."""
+
+    def __init__(
+        self,
+        config: EngineConfig | SyntheticConfig,
+        shared_as: str | None = None,
+        on_stop: Callable[[str], None] = lambda request_id: None,
+    ) -> None:
+        self._on_stop = on_stop
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._emits: dict[str, Callable[[Emission], None]] = {}
         self._ids = itertools.count()
-        self._load = (0, 0)  # the child's latest (requests in the batch, CUDA graphs held)
+        self._load = (0, 0, 0, 0)  # the child's latest: in batch, CUDA graphs, every instance's requests, ours
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
-        self._send(("config", config))
-        try:
-            answer = self._conn.recv()
-        except (EOFError, OSError):
-            answer = ("failed", f"it exited with code {self._process.wait()} before it was ready")
+        path = socket_path(config, shared_as)
+        self._own_lock = path.with_suffix(".lock") if shared_as is None else None  # removed at shutdown
+        self._process: subprocess.Popen | None = None  # the child, when this instance started it
+        with lock(path.with_suffix(".lock")):  # the child decides to exit holding it too
+            self._conn = _connect(path)
+            if self._conn is None:
+                self._process = _start(path)
+                self._conn = _connect(path)
+            self._send(("config", config))
+            try:
+                answer = self._conn.recv()
+            except (EOFError, OSError):
+                code = self._process.wait() if self._process else "unknown"
+                answer = ("failed", f"it exited with code {code} before it was ready")
         if answer[0] != "ready":
-            self._process.wait()
+            if self._process is not None:
+                self._process.wait()
             raise EngineProcessError(f"the engine's process failed to start: {answer[1]}")
         self.submit_rules: SubmitRules = answer[1]  # what the child's engine refuses, checked here: a 400 at once
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
@@ -120,9 +151,15 @@ class EngineProcess(BlockingGenerate):
         if live:
             self._send(("cancel", request_id))
 
+    def relay_stop(self, request_id: str) -> bool:
+        self._send(("stop", request_id))
+        return True
+
     def running(self) -> int:
+        """Requests in the engine from every sharing instance: ours now, the others' at the child's latest report."""
+        _, _, everyone, ours = self._load
         with self._lock:
-            return len(self._emits)
+            return len(self._emits) + max(0, everyone - ours)
 
     def in_batch(self) -> int:
         return self._load[0]
@@ -134,15 +171,30 @@ class EngineProcess(BlockingGenerate):
         return self._ended is None
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """The child's engine fails what is still running (as PortableEngine.shutdown does), then it exits."""
-        self._send(("stop",))
-        try:
-            self._process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-        self._reader.join(timeout=5)
+        """This instance's requests fail, as the engines' own shutdown fails them, and its connection closes; the
+        child's engine stops with its last connection."""
+        with self._lock:
+            self._ended = self._ended or SHUTDOWN_REASON
+            pending = list(self._emits.values())
+            self._emits.clear()
+            waiting = list(self._admissions.values())
+            self._admissions.clear()
+        for admission in waiting:
+            admission.done.set()
+        for emit in pending:
+            emit(Emission([], FINISH_ERROR, SHUTDOWN_REASON))
+        self._send(("close",))  # the child cancels our requests and closes the connection
+        self._reader.join(timeout)
         self._conn.close()
+        if self._process is None:
+            return
+        if self._load[2] > self._load[3]:  # other instances' requests: it serves them on
+            self._process.poll()
+        else:  # started here and, as far as we know, ours alone: reaped once its engine stopped
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout)
+        if self._own_lock is not None:
+            self._own_lock.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ the connection
 
@@ -153,7 +205,7 @@ class EngineProcess(BlockingGenerate):
     def _read(self) -> None:
         while True:
             try:
-                _, emissions, self._load = self._conn.recv()
+                _, emissions, self._load, stops = self._conn.recv()
             except (EOFError, OSError):
                 break
             for request_id, emission in emissions:
@@ -167,10 +219,13 @@ class EngineProcess(BlockingGenerate):
                     emit(emission)
                 if admission is not None:  # it failed in the child's submit: `emit` has its error
                     admission.done.set()
-        code = self._process.wait()
-        reason = "the engine's process has stopped" if code == 0 else f"the engine's process exited with code {code}"
+            for request_id in stops:
+                self._on_stop(request_id)
+        # Not asked to close: the child is gone, and its code is known where it was started.
+        code = self._process.wait() if self._process is not None and self._ended is None else None
+        reason = "the engine's process has stopped" if not code else f"the engine's process exited with code {code}"
         with self._lock:
-            self._ended = reason
+            self._ended = self._ended or reason
             pending = list(self._emits.values())
             self._emits.clear()
             waiting = list(self._admissions.values())
@@ -194,132 +249,29 @@ class EngineProcess(BlockingGenerate):
             emit(Emission([], FINISH_ERROR, f"{answer[1]}: {answer[2]}"))
 
 
-# ---------------------------------------------------------------------- the child
-
-
-def serve_child(
-    conn: Connection, make_engine: Callable[[EngineConfig | SyntheticConfig], BlockingGenerate] | None = None
-) -> int:
-    """Runs the engine the first message configures (PortableEngine, or the synthetic benchmark engine for its
-    configuration, unless `make_engine` says otherwise), until the connection ends or asks it to stop."""
-    _, config = conn.recv()
-    if make_engine is None and isinstance(config, SyntheticConfig):
-        make_engine = SyntheticEngine
-    elif make_engine is None:
-        from tritonllm.engine.portable import PortableEngine as make_engine  # torch: only this process loads it
+def _connect(path: Path) -> Connection | None:
+    """A connection to the child listening at `path`; None when none does (a socket left by a killed child is
+    removed)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        engine = make_engine(config)
-    except BaseException as exc:
-        traceback.print_exc()  # into the server's log; the parent's error names the exception
-        conn.send(("failed", "".join(traceback.format_exception_only(exc)).strip()))
-        return 1
-    outgoing: queue.SimpleQueue = queue.SimpleQueue()
-    requests = _Requests(engine, outgoing)
-    sender = threading.Thread(target=_send_emissions, args=(conn, outgoing, engine), name="engine-process-sender")
-    conn.send(("ready", engine.submit_rules))
-    sender.start()
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            break  # the parent is gone
-        if message[0] == "submit":
-            _, request_id, request = message
-            if request.guide is None:
-                requests.submit(request_id, request)
-            else:  # compiling a new grammar takes up to seconds: meanwhile this loop takes other requests
-                threading.Thread(target=requests.submit, args=(request_id, request), daemon=True).start()
-        elif message[0] == "cancel":
-            requests.cancel(message[1])
-        elif message[0] == "stop":
-            break
-    engine.shutdown()
-    outgoing.put(None)
-    sender.join()
-    return 0
+        sock.connect(str(path))
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        path.unlink(missing_ok=True)
+        return None
+    return Connection(sock.detach())
 
 
-class _Requests:
-    """The child's requests: the parent's ids -> the engine's, while they run. `submit` holds no lock while the
-    engine takes a request (and compiles its guide), so neither the engine's emissions nor other submits wait."""
-
-    def __init__(self, engine: BlockingGenerate, outgoing: queue.SimpleQueue) -> None:
-        self.engine = engine
-        self.outgoing = outgoing
-        self._lock = threading.Lock()
-        self._engine_ids: dict[str, str] = {}
-        self._submitting: set[str] = set()
-        self._ended: set[str] = set()  # ended before `submit` returned their engine id
-        self._cancelled: set[str] = set()  # cancelled before it did
-
-    def submit(self, request_id: str, request: GenerationRequest) -> None:
-        with self._lock:
-            self._submitting.add(request_id)
-        try:
-            engine_id = self.engine.submit(request, self._emitter(request_id))
-        except InputError as exc:
-            self.outgoing.put((request_id, (REFUSED, exc.field, str(exc).removeprefix(f"{exc.field}: "))))
-            engine_id = None
-        except Exception as exc:
-            self.outgoing.put((request_id, Emission([], FINISH_ERROR, str(exc))))
-            engine_id = None
-        with self._lock:
-            self._submitting.discard(request_id)
-            ended = request_id in self._ended
-            cancelled = request_id in self._cancelled
-            self._ended.discard(request_id)
-            self._cancelled.discard(request_id)
-            if engine_id is not None and not ended:
-                self._engine_ids[request_id] = engine_id
-        if engine_id is None:
-            return
-        if request.guide is not None:
-            self.outgoing.put((request_id, (ADMITTED,)))
-        if cancelled and not ended:
-            self.engine.cancel(engine_id)
-
-    def cancel(self, request_id: str) -> None:
-        with self._lock:
-            engine_id = self._engine_ids.get(request_id)
-            if engine_id is None and request_id in self._submitting:
-                self._cancelled.add(request_id)
-        if engine_id is not None:
-            self.engine.cancel(engine_id)
-
-    def _emitter(self, request_id: str) -> Callable[[Emission], None]:
-        def emit(emission: Emission) -> None:
-            if emission.final:
-                with self._lock:
-                    if self._engine_ids.pop(request_id, None) is None and request_id in self._submitting:
-                        self._ended.add(request_id)
-            self.outgoing.put((request_id, emission))
-
-        return emit
-
-
-def _send_emissions(conn: Connection, outgoing: queue.SimpleQueue, engine) -> None:
-    """One message per wake-up: every emission queued since the last one, and the engine's load."""
-    done = False
-    while not done:
-        try:
-            items = [outgoing.get(timeout=LOAD_PERIOD)]
-        except queue.Empty:
-            items = []
-        while True:
-            try:
-                items.append(outgoing.get_nowait())
-            except queue.Empty:
-                break
-        done = None in items
-        try:
-            conn.send(("emissions", [i for i in items if i is not None], (engine.in_batch(), engine.captured_graphs())))
-        except OSError:
-            return  # the parent is gone; the main loop sees it too
-
-
-if __name__ == "__main__":
-    connection = Connection(int(sys.argv[1]))
-    code = serve_child(connection)
-    connection.close()
-    sys.stdout.flush()
-    os._exit(code)  # the engine's threads are stopped or daemons: do not wait on torch's own at exit
+def _start(path: Path) -> subprocess.Popen:
+    """The child, listening at `path`: bound here, so that connecting succeeds as soon as this returns."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(64)
+    try:
+        # In a stub, sys.executable is the server environment's python, whose packages the stub imports.
+        return subprocess.Popen(
+            [sys.executable, "-m", "tritonllm.engine.process_child", str(listener.fileno()), str(path)],
+            pass_fds=[listener.fileno()],
+        )
+    finally:
+        listener.close()

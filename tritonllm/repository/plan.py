@@ -91,6 +91,15 @@ class BuildPlan:
         return 1 if self.decoupled_mode else self.text_instances
 
     @property
+    def engine_instances(self) -> int:
+        """Instances of the engine model: with the engine in a process of its own, as many as of the text models,
+        each a response sender with its own interpreter lock, all sharing the one engine (tritonllm/engine/process.py);
+        otherwise one, which holds the engine."""
+        config = self.engine_config
+        own_process = config.engine_process if config is not None else self.details.get("engine_process", False)
+        return self.text_instances if own_process else 1
+
+    @property
     def engine_model(self) -> str:
         """The engine's model, which streams: tensorrt_llm_decoupled, or tensorrt_llm in the decoupled deployment."""
         return engine_model(self.decoupled_mode)
@@ -128,6 +137,7 @@ class BuildPlan:
             "max_inflight_requests": str(8 * self.max_batch_size),
             "max_queue_size": str(self.queue_size),
             "engine_model": self.engine_model,
+            "engine_instance_count": str(self.engine_instances),
             "guided_decoding": self.guided_decoding,
             **self.engine_values,
         }

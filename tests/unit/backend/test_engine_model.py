@@ -8,6 +8,7 @@ below driven by the test.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -50,6 +51,7 @@ class FakeEngine:
         self.warmups: list[GenerationRequest] = []
         self.compiled = threading.Event()
         self.compiled.set()
+        self.relayed: list[str] | None = None  # a list: an engine several instances share, relaying stop requests
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         if request.guide is not None:  # as a real engine compiling a new grammar: until the test says
@@ -87,6 +89,12 @@ class FakeEngine:
 
     def captured_graphs(self) -> int:
         return 0
+
+    def relay_stop(self, request_id: str) -> bool:
+        if self.relayed is None:
+            return False
+        self.relayed.append(request_id)
+        return True
 
     def alive(self) -> bool:
         return self.is_alive
@@ -297,7 +305,12 @@ def started(pb_utils, monkeypatch, tmp_path):
     from tritonllm.backend import engine_model
 
     engine = FakeEngine(refuse=7)
-    monkeypatch.setattr(engine_model, "EngineProcess", lambda config: engine)
+
+    def shared(config, shared_as: str, on_stop):
+        engine.shared_as, engine.on_stop = shared_as, on_stop
+        return engine
+
+    monkeypatch.setattr(engine_model, "EngineProcess", shared)
     (tmp_path / "1").mkdir()
     (tmp_path / "1" / ENGINE_CONFIG_FILE).write_text(json.dumps({"model_dir": "unused", "engine_process": True}))
     config = {
@@ -358,6 +371,22 @@ def test_a_stop_request_ends_the_running_request_with_its_id(model, pb_utils):
     assert [flags for _, flags in stopped.sender.sent] == [0, FINAL]
     assert not any(response.has_error() for response, _ in stopped.sender.sent)
     assert other.sender.sent == [] and model.engine.running() == 1 and "e2" in model.engine.taken
+
+
+def test_a_stop_request_reaches_every_instance_sharing_the_engine(started, pb_utils, tmp_path):
+    """With the engine in a process of its own, the instances of the engine model on one server share it, and a stop
+    request, which reaches one of them, ends the calls of every one: the engine relays it to each (`on_stop`)."""
+    engine = started.engine
+    assert engine.shared_as == f"{os.getppid()}:{tmp_path.resolve() / '1'}"  # the server's process and the model
+    engine.relayed = []
+    running = request(pb_utils, [1, 2], request_id="r1")
+    started.execute([running])
+    stop = stop_request(pb_utils, "r1")
+    started.execute([stop])
+    assert engine.relayed == ["r1"] and engine.cancels == [] and stop.sender.sent == [(None, FINAL)]
+    engine.on_stop("r1")  # the relayed stop, as every sharing instance gets it
+    assert engine.cancels == ["e0"]
+    assert eventually(lambda: [flags for _, flags in running.sender.sent] == [FINAL])
 
 
 def test_a_stop_request_ends_a_stream_after_the_tokens_it_got(model, pb_utils):

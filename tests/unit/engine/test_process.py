@@ -1,13 +1,15 @@
-"""The engine in a child process (tritonllm/engine/process.py): the same answers as in-process, cancellation,
-and what its callers see when the child dies or fails to start."""
+"""The engine in a child process (tritonllm/engine/process.py, process_child.py): the same answers as in-process,
+cancellation, one child shared by several instances, and what its callers see when the child dies or fails to
+start."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from multiprocessing import Pipe
+from multiprocessing.connection import Client
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,9 @@ import pytest
 from tests.polling import eventually
 from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, Guide, SamplingParams, SubmitRules
 from tritonllm.engine.portable import PortableEngine
-from tritonllm.engine.process import ADMITTED, EngineProcess, EngineProcessError, serve_child
+from tritonllm.engine.process import EngineProcess, EngineProcessError, socket_path
+from tritonllm.engine.process_child import ADMITTED, serve
+from tritonllm.engine.synthetic import SyntheticConfig
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, MAX_WORD_SEQUENCES
 
@@ -160,11 +164,15 @@ class CompilingEngine:
         pass
 
 
-def test_a_compiling_guide_holds_up_neither_emissions_nor_other_requests():
-    parent, child_end = Pipe()
+def test_a_compiling_guide_holds_up_neither_emissions_nor_other_requests(tmp_path):
+    path = tmp_path / "engine.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
     engine = CompilingEngine()
-    served = threading.Thread(target=serve_child, args=(child_end, lambda _: engine), daemon=True)
+    served = threading.Thread(target=serve, args=(listener, path, lambda _: engine), daemon=True)
     served.start()
+    parent = Client(str(path), family="AF_UNIX")
     parent.send(("config", None))
     assert parent.poll(10) and parent.recv() == ("ready", CompilingEngine.submit_rules)  # what the parent checks
     guided = GenerationRequest([1, 2], max_new_tokens=1, guide=Guide("regex", "[0-9]+"))
@@ -181,6 +189,62 @@ def test_a_compiling_guide_holds_up_neither_emissions_nor_other_requests():
     while ("p0", (ADMITTED,)) not in got:
         assert parent.poll(10)
         got += parent.recv()[1]
-    parent.send(("stop",))
+    assert eventually(lambda: engine.cancels == ["guided"], 10)
+    parent.send(("close",))  # the stand-in never ends it: the connection's end cancels it again
     served.join(10)
-    assert engine.cancels == ["guided"] and not served.is_alive()
+    assert engine.cancels == ["guided", "guided"] and not served.is_alive() and not path.exists()
+
+
+SYNTHETIC = SyntheticConfig(tuple(range(100, 140)), max_batch_size=4, step_ms=1, engine_process=True)
+
+
+def tokens(engine: EngineProcess, request: GenerationRequest) -> list[int]:
+    emissions: list[Emission] = []
+    engine.submit(request, emissions.append)
+    assert eventually(lambda: emissions and emissions[-1].final, 10)
+    return [t for e in emissions for t in e.token_ids]
+
+
+def test_instances_sharing_one_engine():
+    """Instances of the engine model on one server share the engine's process: each gets its own requests'
+    emissions, admission counts everyone's, a stop request reaches every instance, and the child ends with the last
+    of them."""
+    stops: list[tuple[str, str]] = []
+    first = EngineProcess(SYNTHETIC, "server:model", lambda rid: stops.append(("first", rid)))
+    second = EngineProcess(SYNTHETIC, "server:model", lambda rid: stops.append(("second", rid)))
+    other = EngineProcess(SyntheticConfig(SYNTHETIC.text_ids, max_batch_size=2, step_ms=1), "server:model")
+    path = socket_path(SYNTHETIC, "server:model")
+    try:
+        assert first._process is not None and second._process is None  # started once
+        assert other._process is not None  # another configuration: another engine
+        long = GenerationRequest([1, 2], 100_000, streaming=True)
+        mine: list[Emission] = []
+        request_id = first.submit(long, mine.append)
+        assert eventually(lambda: second.running() == 1, 10)  # the first's request, from the child's report
+        assert first.running() == 1 and other.running() == 0
+        assert len(tokens(second, GenerationRequest([1], 6, streaming=True))) == 6
+        second.relay_stop("client-7")
+        assert eventually(lambda: sorted(stops) == [("first", "client-7"), ("second", "client-7")], 10)
+        second.shutdown()
+        assert mine and not mine[-1].final  # still served after another instance left
+        first.cancel(request_id)
+        assert eventually(lambda: mine[-1].final, 10)
+        assert mine[-1].finish_reason == FINISH_CANCELLED
+    finally:
+        first.shutdown()
+        other.shutdown()
+        second.shutdown()
+    assert first._process.returncode == 0 and not path.exists()
+
+
+def test_a_killed_shared_engine_is_started_again_by_the_next_instance():
+    first = EngineProcess(SYNTHETIC, "server:killed")
+    os.kill(first._process.pid, signal.SIGKILL)
+    assert eventually(lambda: not first.alive(), 10)
+    assert socket_path(SYNTHETIC, "server:killed").exists()  # left by the killed child
+    again = EngineProcess(SYNTHETIC, "server:killed")
+    try:
+        assert again._process is not None and len(tokens(again, GenerationRequest([1], 3))) == 3
+    finally:
+        again.shutdown()
+        first.shutdown()

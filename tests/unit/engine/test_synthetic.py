@@ -1,6 +1,7 @@
 """The synthetic benchmark engine: the portable engine's interface and semantics, on a fixed passage."""
 
 import json
+import os
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, S
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from tritonllm.repository.builder import main as build_main
+from tritonllm.repository.plan import text_instances
 
 TEXT = tuple(range(100, 140))
 
@@ -122,3 +124,6 @@ def test_the_build_writes_the_synthetic_engine_with_the_portable_models(manifest
     assert config["step_ms"] == 2.5 and config["engine_process"] and len(config["text_ids"]) > 100
     assert (engine / "model.py").is_file()
     assert json.loads((tmp_path / "manifest.json").read_text())["engine"] == "synthetic"
+    # As many instances as the text models, sharing the engine's process.
+    instances = f"count: {text_instances(os.cpu_count() or 2)} kind: KIND_CPU"
+    assert instances in (engine.parent / "config.pbtxt").read_text()

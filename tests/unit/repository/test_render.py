@@ -260,6 +260,9 @@ def test_engine_process_follows_the_device_unless_asked(manifest, monkeypatch, a
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     plan = plan_portable(Path(manifest["model_dir"]), None, parse_args(argv))
     assert engine_json(plan)["engine_process"] == expected
+    # Instances share an engine in a process of its own; one holds an engine in its own process.
+    count = plan.template_values()["engine_instance_count"]
+    assert count == (str(plan.text_instances) if expected == "true" else "1")
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], "false"), (["--compile"], "true")])
