@@ -96,27 +96,28 @@ class EngineProcess(BlockingGenerate):
         self._lock = threading.Lock()
         self._emits: dict[str, Callable[[Emission], None]] = {}
         self._ids = itertools.count()
-        self._load = (0, 0, 0, 0)  # the child's latest: in batch, CUDA graphs, every instance's requests, ours
+        # The child's latest load: in batch, CUDA graphs, every instance's requests, ours, instances connected.
+        self._load = (0, 0, 0, 0, 1)
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
         path = socket_path(config, shared_as)
         self._own_lock = path.with_suffix(".lock") if shared_as is None else None  # removed at shutdown
         self._process: subprocess.Popen | None = None  # the child, when this instance started it
+        self._started: tuple[Path, int] | None = None  # then its socket, and the socket's inode
         with lock(path.with_suffix(".lock")):  # the child decides to exit holding it too
-            self._conn = _connect(path)
-            if self._conn is None:
+            conn = _connect(path)
+            if conn is None:
                 self._process = _start(path)
-                self._conn = _connect(path)
-            self._send(("config", config))
-            try:
-                answer = self._conn.recv()
-            except (EOFError, OSError):
-                code = self._process.wait() if self._process else "unknown"
-                answer = ("failed", f"it exited with code {code} before it was ready")
+                self._started = (path, path.stat().st_ino)  # to remove, should the child die without doing so
+                conn = _connect(path)
+            answer = _handshake(conn, config, self._process)
         if answer[0] != "ready":
-            if self._process is not None:
-                self._process.wait()
+            if conn is not None:
+                conn.close()
+            if self._own_lock is not None:
+                self._own_lock.unlink(missing_ok=True)
             raise EngineProcessError(f"the engine's process failed to start: {answer[1]}")
+        self._conn: Connection = conn
         self.submit_rules: SubmitRules = answer[1]  # what the child's engine refuses, checked here: a 400 at once
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
         self._reader.start()
@@ -157,7 +158,7 @@ class EngineProcess(BlockingGenerate):
 
     def running(self) -> int:
         """Requests in the engine from every sharing instance: ours now, the others' at the child's latest report."""
-        _, _, everyone, ours = self._load
+        _, _, everyone, ours, _ = self._load
         with self._lock:
             return len(self._emits) + max(0, everyone - ours)
 
@@ -173,22 +174,13 @@ class EngineProcess(BlockingGenerate):
     def shutdown(self, timeout: float = 30.0) -> None:
         """This instance's requests fail, as the engines' own shutdown fails them, and its connection closes; the
         child's engine stops with its last connection."""
-        with self._lock:
-            self._ended = self._ended or SHUTDOWN_REASON
-            pending = list(self._emits.values())
-            self._emits.clear()
-            waiting = list(self._admissions.values())
-            self._admissions.clear()
-        for admission in waiting:
-            admission.done.set()
-        for emit in pending:
-            emit(Emission([], FINISH_ERROR, SHUTDOWN_REASON))
+        self._end(SHUTDOWN_REASON)
         self._send(("close",))  # the child cancels our requests and closes the connection
         self._reader.join(timeout)
         self._conn.close()
         if self._process is None:
             return
-        if self._load[2] > self._load[3]:  # other instances' requests: it serves them on
+        if self._load[4] > 1:  # it serves other instances on
             self._process.poll()
         else:  # started here and, as far as we know, ours alone: reaped once its engine stopped
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -222,8 +214,15 @@ class EngineProcess(BlockingGenerate):
             for request_id in stops:
                 self._on_stop(request_id)
         # Not asked to close: the child is gone, and its code is known where it was started.
-        code = self._process.wait() if self._process is not None and self._ended is None else None
+        died = self._process is not None and self._ended is None
+        code = self._process.wait() if died else None
         reason = "the engine's process has stopped" if not code else f"the engine's process exited with code {code}"
+        self._end(reason)
+        if died and self._started is not None:
+            _remove_socket(*self._started)
+
+    def _end(self, reason: str) -> None:
+        """No more requests: those waiting for the child fail with `reason`."""
         with self._lock:
             self._ended = self._ended or reason
             pending = list(self._emits.values())
@@ -260,6 +259,27 @@ def _connect(path: Path) -> Connection | None:
         path.unlink(missing_ok=True)
         return None
     return Connection(sock.detach())
+
+
+def _handshake(
+    conn: Connection | None, config: EngineConfig | SyntheticConfig, started: subprocess.Popen | None
+) -> tuple:
+    """The child's answer to the configuration: ("ready", its SubmitRules) or ("failed", why)."""
+    try:
+        if conn is None:  # the child just started has gone
+            raise EOFError
+        conn.send(("config", config))
+        return conn.recv()
+    except (EOFError, OSError):
+        code = started.wait() if started is not None else "unknown"
+        return ("failed", f"it exited with code {code} before it was ready")
+
+
+def _remove_socket(path: Path, inode: int) -> None:
+    """A dead child's socket, unless another instance has replaced it since (under the lock, as they do)."""
+    with lock(path.with_suffix(".lock")), contextlib.suppress(FileNotFoundError):
+        if path.stat().st_ino == inode:
+            path.unlink()
 
 
 def _start(path: Path) -> subprocess.Popen:

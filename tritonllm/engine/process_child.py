@@ -45,12 +45,17 @@ _CLOSED = object()  # a connection's outgoing queue: send what is queued, then t
 
 
 @contextlib.contextmanager
-def lock(path: Path) -> Iterator[None]:
-    """An exclusive lock on `path` (created if missing), released when the context ends or its holder dies."""
+def lock(path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive lock on `path` (created if missing), released when the context ends or its holder dies; with
+    `wait` False, the context gets False at once when another holds it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+        else:
+            yield True
     finally:
         os.close(fd)  # releases the lock
 
@@ -159,7 +164,7 @@ class EngineServer:
             return len(self._outgoing)
 
     def serve(self, conn: Connection) -> None:
-        """A connection whose hello the caller answered: its reader and its sender, on threads of their own."""
+        """A connection whose configuration the caller answered: its reader and its sender, on threads of their own."""
         number = next(self._ids)
         outgoing: queue.SimpleQueue = queue.SimpleQueue()
         self.requests.open(number)
@@ -203,7 +208,8 @@ class EngineServer:
 
     def _send(self, conn: Connection, number: int, outgoing: queue.SimpleQueue) -> None:
         """One message per wake-up: every emission queued for this connection since the last one, the stop requests
-        relayed to it, and the load: (in batch, CUDA graphs, requests of all connections, this connection's)."""
+        relayed to it, and the load: (in batch, CUDA graphs, requests of all connections, this connection's,
+        connections)."""
         closed = False
         while not closed:
             try:
@@ -218,7 +224,7 @@ class EngineServer:
             closed = _CLOSED in items
             emissions = [i for i in items if i is not _CLOSED and i[0] is not None]
             stops = [i[1] for i in items if i is not _CLOSED and i[0] is None]
-            load = (self.engine.in_batch(), self.engine.captured_graphs(), *self.requests.load(number))
+            load = (self.engine.in_batch(), self.engine.captured_graphs(), *self.requests.load(number), self.open())
             try:
                 conn.send(("emissions", emissions, load, stops))
             except OSError:
@@ -226,7 +232,7 @@ class EngineServer:
         conn.close()
 
 
-def hello(conn: Connection) -> object:
+def _read_config(conn: Connection) -> object:
     """A new connection's first message: the engine's configuration."""
     kind, config = conn.recv()
     if kind != "config":
@@ -242,7 +248,7 @@ def serve(
     """Runs the engine the first connection configures (PortableEngine, or the synthetic benchmark engine for its
     configuration, unless `make_engine` says otherwise) until its last connection ends."""
     first = Connection(listener.accept()[0].detach())
-    config = hello(first)
+    config = _read_config(first)
     if make_engine is None and isinstance(config, SyntheticConfig):
         make_engine = SyntheticEngine
     elif make_engine is None:
@@ -262,17 +268,9 @@ def serve(
         try:
             accepted = listener.accept()[0]
         except TimeoutError:
-            if server.open():
-                continue
-            with lock(path.with_suffix(".lock")):  # instances connect holding it: none is on its way in
-                listener.setblocking(False)
-                try:
-                    accepted = listener.accept()[0]
-                except BlockingIOError:
-                    path.unlink(missing_ok=True)
-                    break
-                finally:
-                    listener.settimeout(LOAD_PERIOD)
+            if not server.open() and _stop_listening(path):
+                break
+            continue
         accepted.setblocking(True)
         _welcome(server, Connection(accepted.detach()))
     listener.close()
@@ -281,9 +279,18 @@ def serve(
     return 0
 
 
+def _stop_listening(path: Path) -> bool:
+    """Whether the socket was removed, so that no instance connects any more: not while one holds the lock, which
+    it holds from connecting until this loop answered its configuration."""
+    with lock(path.with_suffix(".lock"), wait=False) as held:
+        if held:
+            path.unlink(missing_ok=True)
+        return held
+
+
 def _welcome(server: EngineServer, conn: Connection) -> None:
     try:
-        config = hello(conn)
+        config = _read_config(conn)
     except (EOFError, OSError, ValueError):
         conn.close()
         return

@@ -17,8 +17,8 @@ import pytest
 from tests.polling import eventually
 from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, Guide, SamplingParams, SubmitRules
 from tritonllm.engine.portable import PortableEngine
-from tritonllm.engine.process import EngineProcess, EngineProcessError, socket_path
-from tritonllm.engine.process_child import ADMITTED, serve
+from tritonllm.engine.process import EngineProcess, EngineProcessError, _connect, _handshake, socket_path
+from tritonllm.engine.process_child import ADMITTED, LOAD_PERIOD, lock, serve
 from tritonllm.engine.synthetic import SyntheticConfig
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, MAX_WORD_SEQUENCES
@@ -238,13 +238,34 @@ def test_instances_sharing_one_engine():
 
 
 def test_a_killed_shared_engine_is_started_again_by_the_next_instance():
+    path = socket_path(SYNTHETIC, "server:killed")
     first = EngineProcess(SYNTHETIC, "server:killed")
     os.kill(first._process.pid, signal.SIGKILL)
     assert eventually(lambda: not first.alive(), 10)
-    assert socket_path(SYNTHETIC, "server:killed").exists()  # left by the killed child
+    assert eventually(lambda: not path.exists(), 10)  # its socket, removed by the instance that started it
+    # A socket left with nobody to remove it (the instances killed too): the next instance replaces it.
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(str(path))
+    left.close()
     again = EngineProcess(SYNTHETIC, "server:killed")
     try:
         assert again._process is not None and len(tokens(again, GenerationRequest([1], 3))) == 3
     finally:
         again.shutdown()
         first.shutdown()
+    assert not path.exists()
+
+
+def test_the_engine_stays_while_an_instance_is_connecting():
+    """An instance holds the lock from connecting until the child answered it: the child, its last connection
+    gone, does not leave meanwhile (the instance would connect to an engine on its way out)."""
+    only = EngineProcess(SYNTHETIC, "server:connecting")
+    path = socket_path(SYNTHETIC, "server:connecting")
+    with lock(path.with_suffix(".lock")):  # as an instance about to connect
+        only.shutdown(timeout=0.5)  # the last connection: the child would leave now
+        time.sleep(3 * LOAD_PERIOD)
+        assert only._process.poll() is None and path.exists()
+        late = _connect(path)
+        assert late is not None and _handshake(late, SYNTHETIC, None)[0] == "ready"
+    late.close()  # now the last connection ends with nobody connecting: the child leaves
+    assert only._process.wait(10) == 0 and not path.exists()
