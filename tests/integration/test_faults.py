@@ -20,7 +20,8 @@ import tritonclient.grpc as grpcclient
 from client import GenerationError, generate, infer_inputs, request_tensors, stream
 from tests.conftest import BUILD, ROOT
 from tests.integration.test_streaming import wait_for_in_flight
-from tritonllm.launch.tritonserver import free_port, http_ready
+from tests.polling import eventually
+from tritonllm.launch.tritonserver import free_port, http_ready, metric_samples, metric_value
 from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, stop_request_tensors
 from tritonllm.repository.plan import text_instances
 
@@ -160,6 +161,13 @@ def test_the_engine_in_its_own_process_answers_as_in_the_model_process(engine_pr
     assert generate(prompt, 16, url=serve.url) == generate(prompt, 16, url=server.http_url)
     streamed = "".join(c.text for c in stream(prompt, 16, url=f"127.0.0.1:{serve.grpc}"))
     assert streamed == generate(prompt, 16, url=server.http_url)
+
+    # Both requests counted once, whichever instance served them: one instance reports the engine's metrics.
+    def finished() -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{serve.metrics}/metrics", timeout=10) as response:
+            return metric_value(metric_samples(response.read().decode()), "tritonllm_requests_finished_total")
+
+    assert eventually(lambda: finished() == 2, 10), finished()
 
 
 def test_a_stop_request_ends_a_stream_whichever_instance_it_reaches(engine_process_serve):

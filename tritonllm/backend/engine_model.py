@@ -101,18 +101,22 @@ class _Generation:
 
 
 def load_engine(
-    folder: Path, device: str, on_stop: Callable[[str], None] = lambda request_id: None
+    folder: Path,
+    device: str,
+    on_stop: Callable[[str], None] = lambda request_id: None,
+    on_records: Callable[[list], None] = lambda records: None,
 ) -> tuple[BlockingGenerate, str]:
     """The engine the build configured in the model's version folder, and what it is, for the log. An engine in a
     process of its own is shared by the model's instances on the same device of the same server (a stub's parent
-    process is the server), and calls `on_stop` for the `stop` requests any of them received."""
+    process is the server); it calls `on_stop` for the `stop` requests any of them received, and `on_records` with
+    the metrics records of the others in the one that reports them."""
     shared_as = f"{os.getppid()}:{folder.resolve()}"
     synthetic = folder / SYNTHETIC_CONFIG_FILE
     if synthetic.is_file():  # a benchmark instrument (build_engines.py --engine synthetic)
         config = SyntheticConfig(**json.loads(synthetic.read_text()))
         what = f"synthetic benchmark engine, {config.step_ms} ms per step"
         if config.engine_process:
-            return EngineProcess(config, shared_as, on_stop), f"{what}, in a process of its own"
+            return EngineProcess(config, shared_as, on_stop, on_records), f"{what}, in a process of its own"
         return SyntheticEngine(config), what
     llm_api = folder / LLM_API_CONFIG_FILE
     if llm_api.is_file():  # build_engines.py --engine trtllm-llmapi: TensorRT-LLM's LLM API, in NVIDIA's image
@@ -130,7 +134,7 @@ def load_engine(
         return engine, f"llama.cpp engine ({engine.description})"
     # The engine in a child process (tritonllm/engine/process.py), which alone then loads torch, or in this one.
     if engine_config.engine_process:
-        engine = EngineProcess(engine_config, shared_as, on_stop)
+        engine = EngineProcess(engine_config, shared_as, on_stop, on_records)
         return engine, f"portable engine on {device}, in a process of its own"
     from tritonllm.engine.portable import PortableEngine
 
@@ -153,12 +157,15 @@ class EngineModel:
         folder = Path(args["model_repository"]) / args["model_version"]
         started = time.perf_counter()
         self._live: dict[int, _Call] = {}
-        self.engine, what = load_engine(folder, device, self._stop_calls)
+        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # Finished or an error label, for _tick
+        self.engine, what = load_engine(folder, device, self._stop_calls, self._take_records)
         # The batching manager's first step is slow (allocation, kernel selection): pay it now.
         self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)
         log_info(f"tensorrt_llm: {what}, ready in {time.perf_counter() - started:.1f} s")
-        self.metrics = EngineMetrics(args["model_name"], args["model_version"])
-        self._finished: queue.SimpleQueue = queue.SimpleQueue()  # Finished or an error label, for _tick
+        self._metrics_labels = (args["model_name"], args["model_version"])
+        self.metrics: EngineMetrics | None = None  # registered by the instance that reports them (_update_metrics)
+        if self.engine.reports_metrics():  # known by now, unless the engine's process has not reported yet
+            self.metrics = EngineMetrics(*self._metrics_labels)
         self._outbox: Outbox[Emission] = Outbox(
             "tensorrt_llm-sender",
             self._send,
@@ -287,8 +294,19 @@ class EngineModel:
         records = []
         while not self._finished.empty():
             records.append(self._finished.get())
+        if not self.engine.reports_metrics():  # another instance sharing the engine does: it gets ours
+            if records:
+                self.engine.forward_records(records)
+            return
+        if self.metrics is None:  # tritonserver 2.51 frees a metric twice that two instances registered
+            self.metrics = EngineMetrics(*self._metrics_labels)
         self.metrics.record(records)
         self.metrics.load(self.engine.running(), self.engine.in_batch(), self.engine.captured_graphs())
+
+    def _take_records(self, records: list) -> None:
+        """Another instance's metrics records, in the one that reports them (from the engine's thread)."""
+        for record in records:
+            self._finished.put(record)
 
     def _send(self, generation: _Generation, emission: Emission) -> None:
         """On the outbox's thread: a stream's new tokens, or a generation's whole answer."""

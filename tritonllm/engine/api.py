@@ -337,6 +337,15 @@ class BlockingGenerate:
         serves, each of which ends its calls that carry it; False when it serves the caller's instance alone."""
         return False
 
+    def reports_metrics(self) -> bool:
+        """Whether the caller's engine-model instance reports the engine's metrics: of the instances an engine
+        serves, one does, and the others hand it their records (`forward_records`)."""
+        return True
+
+    def forward_records(self, records: list) -> None:
+        """An instance's metrics records, to the instance that reports them."""
+        raise NotImplementedError("an engine that serves one instance has it report its metrics")
+
     def generate(self, request: GenerationRequest, timeout: float | None = None) -> tuple[list[int], str]:
         """Blocking helper: the generated tokens and finish reason of one non-streaming request."""
         done = threading.Event()

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import itertools
 import os
+import pickle
 import secrets
 import socket
 import stat
@@ -40,7 +41,7 @@ from pathlib import Path
 
 from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, SubmitRules
 from tritonllm.engine.checks import check_submit
-from tritonllm.engine.process_child import REFUSED, lock
+from tritonllm.engine.process_child import RECORDS, REFUSED, STOP, lock
 from tritonllm.engine.synthetic import SyntheticConfig
 from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_ERROR
@@ -82,22 +83,26 @@ def socket_path(config: EngineConfig | SyntheticConfig, shared_as: str | None) -
 class EngineProcess(BlockingGenerate):
     """`PortableEngine`'s interface, served by a child process (the synthetic engine, for its configuration) that
     instances naming the same `shared_as` and configuration share (None: one of its own). `emit` callbacks run on
-    this process's reader thread, in the order the child's engine made the emissions; `on_stop` there too, with the
-    client request id of a `stop` request that any of the sharing instances received (`relay_stop`)."""
+    this process's reader thread, in the order the child's engine made the emissions; the others there too:
+    `on_stop` with the client request id of a `stop` request that any of the sharing instances received
+    (`relay_stop`), `on_records` in the instance that reports the metrics with what another forwarded
+    (`forward_records`)."""
 
     def __init__(
         self,
         config: EngineConfig | SyntheticConfig,
         shared_as: str | None = None,
         on_stop: Callable[[str], None] = lambda request_id: None,
+        on_records: Callable[[list], None] = lambda records: None,
     ) -> None:
-        self._on_stop = on_stop
+        self._on_stop, self._on_records = on_stop, on_records
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._emits: dict[str, Callable[[Emission], None]] = {}
         self._ids = itertools.count()
-        # The child's latest load: in batch, CUDA graphs, every instance's requests, ours, instances connected.
-        self._load = (0, 0, 0, 0, 1)
+        # The child's latest load: in batch, CUDA graphs, every instance's requests, ours, instances connected,
+        # whether we report the metrics (until it says, our records go to the one that does: maybe us).
+        self._load = (0, 0, 0, 0, 1, False)
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
         path = socket_path(config, shared_as)
@@ -153,12 +158,18 @@ class EngineProcess(BlockingGenerate):
             self._send(("cancel", request_id))
 
     def relay_stop(self, request_id: str) -> bool:
-        self._send(("stop", request_id))
+        self._send((STOP, request_id))
         return True
+
+    def reports_metrics(self) -> bool:
+        return self._load[5]
+
+    def forward_records(self, records: list) -> None:
+        self._send((RECORDS, pickle.dumps(records)))
 
     def running(self) -> int:
         """Requests in the engine from every sharing instance: ours now, the others' at the child's latest report."""
-        _, _, everyone, ours, _ = self._load
+        _, _, everyone, ours, _, _ = self._load
         with self._lock:
             return len(self._emits) + max(0, everyone - ours)
 
@@ -197,7 +208,7 @@ class EngineProcess(BlockingGenerate):
     def _read(self) -> None:
         while True:
             try:
-                _, emissions, self._load, stops = self._conn.recv()
+                _, emissions, self._load, relayed = self._conn.recv()
             except (EOFError, OSError):
                 break
             for request_id, emission in emissions:
@@ -211,8 +222,11 @@ class EngineProcess(BlockingGenerate):
                     emit(emission)
                 if admission is not None:  # it failed in the child's submit: `emit` has its error
                     admission.done.set()
-            for request_id in stops:
-                self._on_stop(request_id)
+            for kind, payload in relayed:
+                if kind == STOP:
+                    self._on_stop(payload)
+                elif kind == RECORDS:
+                    self._on_records(pickle.loads(payload))
         # Not asked to close: the child is gone, and its code is known where it was started.
         died = self._process is not None and self._ended is None
         code = self._process.wait() if died else None

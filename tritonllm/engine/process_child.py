@@ -10,8 +10,10 @@ memory. The exit is decided holding the lock that connecting instances hold, so 
 way out.
 
 Requests, emissions and their generation controls travel pickled; a parent checks what this engine refuses by the
-`SubmitRules` it reports when ready. A guided request is answered ADMITTED or REFUSED once its guide compiled, and a
-client's `stop` request, which reaches one instance, is relayed to every connection.
+`SubmitRules` it reports when ready. A guided request is answered ADMITTED or REFUSED once its guide compiled. A
+client's `stop` request, which reaches one instance, is relayed to every connection; the engine's metrics are
+reported by one instance (tritonserver 2.51 frees a metric twice that two stubs registered), to which the others'
+records are relayed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ LOAD_PERIOD = 0.2  # seconds between load reports while a connection's requests 
 # InputError. Plain tuples, because this module runs as __main__, whose classes the parent could not unpickle.
 ADMITTED = "admitted"
 REFUSED = "refused"
+# Messages of one connection that the child relays: a client's stop request (its request id) to every connection;
+# metrics records (pickled by the sender: this process does not import the model's modules) to the reporting one.
+STOP = "stop"
+RECORDS = "records"
 
 _CLOSED = object()  # a connection's outgoing queue: send what is queued, then the close answer, then stop
 
@@ -194,11 +200,10 @@ class EngineServer:
                     threading.Thread(target=self.requests.submit, args=args, daemon=True).start()
             elif message[0] == "cancel":
                 self.requests.cancel(number, message[1])
-            elif message[0] == "stop":  # a client's stop request: every instance ends its calls that carry the id
-                with self._lock:
-                    queues = list(self._outgoing.values())
-                for each in queues:
-                    each.put((None, message[1]))
+            elif message[0] == STOP:  # a client's stop request: every instance ends its calls that carry the id
+                self._relay(message, everyone=True)
+            elif message[0] == RECORDS:  # an instance's metrics records: the reporting instance counts them
+                self._relay(message, everyone=False)
             elif message[0] == "close":
                 break
         self.requests.close(number)
@@ -206,10 +211,22 @@ class EngineServer:
             self._outgoing.pop(number, None)
         outgoing.put(_CLOSED)
 
+    def _relay(self, message: tuple, everyone: bool) -> None:
+        with self._lock:
+            numbers = sorted(self._outgoing)[: None if everyone else 1]
+            queues = [self._outgoing[n] for n in numbers]
+        for each in queues:
+            each.put((None, message))
+
+    def _connections(self, number: int) -> tuple[int, bool]:
+        """How many connections are open, and whether `number` reports the metrics: the oldest open one."""
+        with self._lock:
+            return len(self._outgoing), bool(self._outgoing) and number == min(self._outgoing)
+
     def _send(self, conn: Connection, number: int, outgoing: queue.SimpleQueue) -> None:
-        """One message per wake-up: every emission queued for this connection since the last one, the stop requests
-        relayed to it, and the load: (in batch, CUDA graphs, requests of all connections, this connection's,
-        connections)."""
+        """One message per wake-up: every emission queued for this connection since the last one, the messages of
+        other connections relayed to it, and the load: (in batch, CUDA graphs, requests of all connections, this
+        connection's, connections, whether this one reports the metrics)."""
         closed = False
         while not closed:
             try:
@@ -223,10 +240,11 @@ class EngineServer:
                     break
             closed = _CLOSED in items
             emissions = [i for i in items if i is not _CLOSED and i[0] is not None]
-            stops = [i[1] for i in items if i is not _CLOSED and i[0] is None]
-            load = (self.engine.in_batch(), self.engine.captured_graphs(), *self.requests.load(number), self.open())
+            relayed = [i[1] for i in items if i is not _CLOSED and i[0] is None]
+            engine = (self.engine.in_batch(), self.engine.captured_graphs())
+            load = (*engine, *self.requests.load(number), *self._connections(number))
             try:
-                conn.send(("emissions", emissions, load, stops))
+                conn.send(("emissions", emissions, load, relayed))
             except OSError:
                 break  # the instance is gone; the reader sees it too
         conn.close()

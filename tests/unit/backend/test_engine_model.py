@@ -52,6 +52,8 @@ class FakeEngine:
         self.compiled = threading.Event()
         self.compiled.set()
         self.relayed: list[str] | None = None  # a list: an engine several instances share, relaying stop requests
+        self.reporting = True  # whether the model reports the metrics, or forwards its records (to `forwarded`)
+        self.forwarded: list = []
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         if request.guide is not None:  # as a real engine compiling a new grammar: until the test says
@@ -95,6 +97,12 @@ class FakeEngine:
             return False
         self.relayed.append(request_id)
         return True
+
+    def reports_metrics(self) -> bool:
+        return self.reporting
+
+    def forward_records(self, records: list) -> None:
+        self.forwarded += records
 
     def alive(self) -> bool:
         return self.is_alive
@@ -306,8 +314,8 @@ def started(pb_utils, monkeypatch, tmp_path):
 
     engine = FakeEngine(refuse=7)
 
-    def shared(config, shared_as: str, on_stop):
-        engine.shared_as, engine.on_stop = shared_as, on_stop
+    def shared(config, shared_as: str, on_stop, on_records):
+        engine.shared_as, engine.on_stop, engine.on_records = shared_as, on_stop, on_records
         return engine
 
     monkeypatch.setattr(engine_model, "EngineProcess", shared)
@@ -387,6 +395,22 @@ def test_a_stop_request_reaches_every_instance_sharing_the_engine(started, pb_ut
     engine.on_stop("r1")  # the relayed stop, as every sharing instance gets it
     assert engine.cancels == ["e0"]
     assert eventually(lambda: [flags for _, flags in running.sender.sent] == [FINAL])
+
+
+def test_an_instance_that_does_not_report_the_metrics_forwards_its_records(started, pb_utils):
+    """Of the instances sharing an engine, one registers and reports the metrics (tritonserver 2.51 frees a metric
+    twice that two stubs registered); the others forward their records, which it counts as its own."""
+    reporter, engine = started, started.engine
+    over = [request(pb_utils, [1, 2]) for _ in range(4)]  # capacity 3: the fourth is refused, busy
+    reporter.execute(over)
+    engine.reporting = False  # as another instance than the reporting one
+    reporter._update_metrics()
+    assert engine.forwarded == ["server_busy"]
+    engine.reporting = True
+    engine.on_records(engine.forwarded)  # relayed to the reporting instance
+    reporter._update_metrics()
+    (busy,) = [m for m in reporter.metrics.errors.values() if m.labels["kind"] == "server_busy"]
+    assert busy.value() == 1 and len(pb_utils.metric_families) == len(reporter.metrics._families)
 
 
 def test_a_stop_request_ends_a_stream_after_the_tokens_it_got(model, pb_utils):

@@ -207,11 +207,19 @@ def tokens(engine: EngineProcess, request: GenerationRequest) -> list[int]:
 
 def test_instances_sharing_one_engine():
     """Instances of the engine model on one server share the engine's process: each gets its own requests'
-    emissions, admission counts everyone's, a stop request reaches every instance, and the child ends with the last
-    of them."""
+    emissions, admission counts everyone's, a stop request reaches every instance, one reports the metrics with the
+    others' records, and the child ends with the last of them."""
     stops: list[tuple[str, str]] = []
-    first = EngineProcess(SYNTHETIC, "server:model", lambda rid: stops.append(("first", rid)))
-    second = EngineProcess(SYNTHETIC, "server:model", lambda rid: stops.append(("second", rid)))
+    records: list[tuple[str, list]] = []
+    first, second = (
+        EngineProcess(
+            SYNTHETIC,
+            "server:model",
+            lambda rid, name=name: stops.append((name, rid)),
+            lambda got, name=name: records.append((name, got)),
+        )
+        for name in ("first", "second")
+    )
     other = EngineProcess(SyntheticConfig(SYNTHETIC.text_ids, max_batch_size=2, step_ms=1), "server:model")
     path = socket_path(SYNTHETIC, "server:model")
     try:
@@ -225,8 +233,13 @@ def test_instances_sharing_one_engine():
         assert len(tokens(second, GenerationRequest([1], 6, streaming=True))) == 6
         second.relay_stop("client-7")
         assert eventually(lambda: sorted(stops) == [("first", "client-7"), ("second", "client-7")], 10)
+        # One reports the metrics, the oldest connection; the other's records go to it.
+        assert eventually(lambda: first.reports_metrics() and not second.reports_metrics(), 10)
+        second.forward_records(["busy", "busy"])
+        assert eventually(lambda: records == [("first", ["busy", "busy"])], 10)
         second.shutdown()
         assert mine and not mine[-1].final  # still served after another instance left
+        assert eventually(first.reports_metrics, 10)
         first.cancel(request_id)
         assert eventually(lambda: mine[-1].final, 10)
         assert mine[-1].finish_reason == FINISH_CANCELLED
