@@ -23,7 +23,6 @@ from tests.integration.test_streaming import wait_for_in_flight
 from tests.polling import eventually
 from tritonllm.launch.tritonserver import free_port, http_ready, metric_samples, metric_value
 from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, stop_request_tensors
-from tritonllm.repository.plan import text_instances
 
 pytestmark = pytest.mark.integration
 
@@ -128,11 +127,13 @@ def in_background(function, *args, **kwargs) -> tuple[threading.Thread, dict]:
 
 @pytest.fixture(scope="module")
 def engine_process_build(tmp_path_factory, manifest):
-    """The default build with the engine in a process of its own (the default on CUDA)."""
+    """The default build with the engine in a process of its own (the default on CUDA), which two instances of
+    the engine model share."""
     from tritonllm.repository.builder import main as build_main
 
     build = tmp_path_factory.mktemp("engine-process")
-    assert build_main(["--model", manifest["model_dir"], "--build-dir", str(build), "--engine-process"]) == 0
+    argv = ["--model", manifest["model_dir"], "--build-dir", str(build), "--engine-process", "--engine-instances", "2"]
+    assert build_main(argv) == 0
     return build
 
 
@@ -153,8 +154,7 @@ def engine_process_serve(tmp_path_factory, engine_process_build):
 def test_the_engine_in_its_own_process_answers_as_in_the_model_process(engine_process_serve, server):
     serve = engine_process_serve
     prompt = "What is the capital of France?"
-    # One engine for the engine model's instances, as many as the text models' (tritonllm/repository/plan.py).
-    assert len(serve.engine_stub_pids()) == text_instances(os.cpu_count() or 2) and serve.engine_child_pid()
+    assert len(serve.engine_stub_pids()) == 2 and serve.engine_child_pid()  # one engine for both instances
     # Only the engine's process loads torch; the stub parses requests and sends responses.
     assert "libtorch" not in Path(f"/proc/{serve.engine_stub_pid()}/maps").read_text()
     assert "libtorch" in Path(f"/proc/{serve.engine_child_pid()}/maps").read_text()

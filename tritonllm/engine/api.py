@@ -227,8 +227,13 @@ class EngineConfig:
     engine_process: bool | None = option(
         None,
         "run the engine in a process of its own beside the engine model's (default: on CUDA), so that sending a "
-        "response per token per stream does not take the generation loop's interpreter lock; the engine model then "
-        "has as many instances as the text models, each sending its own requests' responses from one shared engine",
+        "response per token per stream does not take the generation loop's interpreter lock",
+    )
+    engine_instances: int = option(
+        1,
+        "with the engine in a process of its own, instances of the engine model, each sending its own requests' "
+        "responses with its own interpreter lock from the one engine they share; 0: as many as the text models",
+        limits=(0, 64),
     )
     prefix_cache: bool = option(
         False,
@@ -290,6 +295,7 @@ class EngineConfig:
             )
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if cuda else "float32")
         graphs = cuda if self.cuda_graphs is None else self.cuda_graphs
+        check_engine_instances(self.engine_instances, cuda if self.engine_process is None else self.engine_process)
         decided = {
             "impl": impl,
             "device": device,
@@ -363,6 +369,16 @@ class BlockingGenerate:
         if final.error:
             raise RuntimeError(final.error)
         return [t for e in result for t in e.token_ids], final.finish_reason or ""
+
+
+def check_engine_instances(instances: int, engine_process: bool) -> None:
+    """Several engine-model instances share an engine in a process of its own; in the model's process, each would
+    load one."""
+    if instances != 1 and not engine_process:
+        raise ConfigError(
+            f"--engine-instances {instances} needs the engine in a process of its own (--engine-process): in the "
+            "model's process each instance would load the engine"
+        )
 
 
 def ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:

@@ -180,7 +180,7 @@ def flavor_options() -> dict[str, set[str]]:
     fraction = "kv_cache_free_gpu_mem_fraction"
     return {
         "portable": names(EngineConfig) | {"kv_cache_gib"},
-        "synthetic": names(SyntheticConfig) | {"engine_process"},
+        "synthetic": names(SyntheticConfig) | {"engine_process", "engine_instances"},
         "trtllm": names(TrtllmBuildOptions) | {fraction, "engine_dir", "engine_only"},
         LLM_API: names(LlmApiConfig) | {"tp_size", "pp_size", "max_num_tokens", "kv_cache_quant", "quant", fraction},
     }

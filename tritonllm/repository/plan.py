@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, EngineConfig
+from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, EngineConfig, check_engine_instances
 from tritonllm.engine.llmapi_config import KV_CACHE_DTYPES, LLM_API_CONFIG_FILE, LlmApiConfig
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError
@@ -92,12 +92,12 @@ class BuildPlan:
 
     @property
     def engine_instances(self) -> int:
-        """Instances of the engine model: with the engine in a process of its own, as many as of the text models,
-        each a response sender with its own interpreter lock, all sharing the one engine (tritonllm/engine/process.py);
-        otherwise one, which holds the engine."""
+        """Instances of the engine model (--engine-instances, checked by check_engine_instances): more than one only
+        with the engine in a process of its own, which they share (tritonllm/engine/process.py), each a response
+        sender with its own interpreter lock; 0 asks for as many as of the text models."""
         config = self.engine_config
-        own_process = config.engine_process if config is not None else self.details.get("engine_process", False)
-        return self.text_instances if own_process else 1
+        asked = config.engine_instances if config is not None else self.details.get("engine_instances", 1)
+        return asked or self.text_instances
 
     @property
     def engine_model(self) -> str:
@@ -226,6 +226,7 @@ def plan_synthetic(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     from transformers import AutoConfig, AutoTokenizer
 
     max_input_len = input_len(args, args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
+    check_engine_instances(args.engine_instances, bool(args.engine_process))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = SyntheticConfig(
         text_ids=tuple(tokenizer(PASSAGE, add_special_tokens=False)["input_ids"]),
@@ -243,7 +244,11 @@ def plan_synthetic(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         vocab_size=AutoConfig.from_pretrained(model_dir).get_text_config().vocab_size,
         max_queue_size=args.max_queue_size,
         engine_values={"engine_instance_kind": "KIND_CPU"},
-        details={"step_ms": config.step_ms, "engine_process": config.engine_process},
+        details={
+            "step_ms": config.step_ms,
+            "engine_process": config.engine_process,
+            "engine_instances": args.engine_instances,
+        },
         files={f"{ENGINE_FOLDER}/1/{SYNTHETIC_CONFIG_FILE}": json.dumps(asdict(config)) + "\n"},
     )
 

@@ -116,7 +116,7 @@ def test_in_a_process_of_its_own_it_answers_and_refuses_as_in_process(engine):
 
 def test_the_build_writes_the_synthetic_engine_with_the_portable_models(manifest, tmp_path):
     argv = ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(tmp_path), "--step-ms", "2.5"]
-    code = build_main([*argv, "--engine-process"])
+    code = build_main([*argv, "--engine-process", "--engine-instances", "0"])
     assert code == 0
     repository = tmp_path / "model_repository"
     engine = repository / "tensorrt_llm_decoupled" / "1"  # the engine's model in the default deployment
@@ -124,6 +124,6 @@ def test_the_build_writes_the_synthetic_engine_with_the_portable_models(manifest
     assert config["step_ms"] == 2.5 and config["engine_process"] and len(config["text_ids"]) > 100
     assert (engine / "model.py").is_file()
     assert json.loads((tmp_path / "manifest.json").read_text())["engine"] == "synthetic"
-    # As many instances as the text models, sharing the engine's process.
+    # --engine-instances 0: as many instances as the text models, sharing the engine's process.
     instances = f"count: {text_instances(os.cpu_count() or 2)} kind: KIND_CPU"
     assert instances in (engine.parent / "config.pbtxt").read_text()

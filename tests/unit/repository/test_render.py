@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
+from tritonllm.errors import ConfigError
 from tritonllm.protocol import PERF_OUTPUTS
 from tritonllm.repository.builder import main, parse_args
 from tritonllm.repository.plan import (
@@ -260,9 +261,26 @@ def test_engine_process_follows_the_device_unless_asked(manifest, monkeypatch, a
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     plan = plan_portable(Path(manifest["model_dir"]), None, parse_args(argv))
     assert engine_json(plan)["engine_process"] == expected
-    # Instances share an engine in a process of its own; one holds an engine in its own process.
-    count = plan.template_values()["engine_instance_count"]
-    assert count == (str(plan.text_instances) if expected == "true" else "1")
+    assert plan.template_values()["engine_instance_count"] == "1"  # unless --engine-instances says
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--engine-process", "--engine-instances", "3"], "3"),
+        (["--engine-process", "--engine-instances", "0"], "text"),  # as many as the text models
+        (["--engine-instances", "2"], "--engine-instances 2 needs the engine in a process of its own"),
+    ],
+)
+def test_engine_instances_share_an_engine_in_its_own_process(manifest, argv, expected):
+    args = parse_args(["--device", "cpu", *argv])
+    if expected.startswith("--"):
+        with pytest.raises(ConfigError, match=expected):
+            plan_portable(Path(manifest["model_dir"]), None, args)
+        return
+    plan = plan_portable(Path(manifest["model_dir"]), None, args)
+    wanted = str(plan.text_instances) if expected == "text" else expected
+    assert plan.template_values()["engine_instance_count"] == wanted
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], "false"), (["--compile"], "true")])
