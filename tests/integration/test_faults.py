@@ -127,8 +127,8 @@ def in_background(function, *args, **kwargs) -> tuple[threading.Thread, dict]:
 
 @pytest.fixture(scope="module")
 def engine_process_build(tmp_path_factory, manifest):
-    """The default build with the engine in a process of its own (the default on CUDA), which two instances of
-    the engine model share."""
+    """The default build with the engine in a process of its own (the default on CUDA), shared by two instances
+    of the engine model."""
     from tritonllm.repository.builder import main as build_main
 
     build = tmp_path_factory.mktemp("engine-process")
@@ -171,8 +171,9 @@ def test_the_engine_in_its_own_process_answers_as_in_the_model_process(engine_pr
 
 
 def test_a_stop_request_ends_a_stream_whichever_instance_it_reaches(engine_process_serve):
-    """TensorRT-LLM's `stop` request reaches one instance of the engine model, and Triton spreads the streams over
-    them: the engine's process relays it to every instance (tritonllm/engine/process_child.py)."""
+    """TensorRT-LLM's `stop` request reaches one instance of the engine model, and Triton picks which: the engine's
+    process relays it to every instance (tritonllm/engine/process_child.py). Which instance gets the stream and
+    which the stop is Triton's choice, not checked here; tests/unit/engine/test_process.py checks the relay."""
     grpc_url = f"127.0.0.1:{engine_process_serve.grpc}"
     prompt = [
         ("input_ids", np.array([[1, 2, 3, 4]], np.int32), "INT32"),
@@ -183,7 +184,7 @@ def test_a_stop_request_ends_a_stream_whichever_instance_it_reaches(engine_proce
         ("request_output_len", np.array([[400]], np.int32), "INT32"),
         ("streaming", np.array([[True]]), "BOOL"),
     ]
-    for attempt in range(4):  # one stream and one stop at a time: over the attempts, both land on every instance
+    for attempt in range(4):  # one stream and one stop at a time, each placed by Triton
         responses: queue.Queue = queue.Queue()
         with (
             grpcclient.InferenceServerClient(grpc_url) as triton,

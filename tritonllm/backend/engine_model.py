@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -110,7 +111,7 @@ def load_engine(
     process of its own is shared by the model's instances on the same device of the same server (a stub's parent
     process is the server); it calls `on_stop` for the `stop` requests any of them received, and `on_records` with
     the metrics records of the others in the one that reports them."""
-    shared_as = f"{os.getppid()}:{folder.resolve()}"
+    shared_as = f"{socket.gethostname()}:{os.getppid()}:{folder.resolve()}"  # a container's own host name
     synthetic = folder / SYNTHETIC_CONFIG_FILE
     if synthetic.is_file():  # a benchmark instrument (build_engines.py --engine synthetic)
         config = SyntheticConfig(**json.loads(synthetic.read_text()))
@@ -162,10 +163,9 @@ class EngineModel:
         # The batching manager's first step is slow (allocation, kernel selection): pay it now.
         self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)
         log_info(f"tensorrt_llm: {what}, ready in {time.perf_counter() - started:.1f} s")
-        self._metrics_labels = (args["model_name"], args["model_version"])
-        self.metrics: EngineMetrics | None = None  # registered by the instance that reports them (_update_metrics)
-        if self.engine.reports_metrics():  # known by now, unless the engine's process has not reported yet
-            self.metrics = EngineMetrics(*self._metrics_labels)
+        # Of the instances sharing an engine, one registers the metrics; the others forward it their records.
+        self._reports = self.engine.reports_metrics()
+        self.metrics = EngineMetrics(args["model_name"], args["model_version"]) if self._reports else None
         self._outbox: Outbox[Emission] = Outbox(
             "tensorrt_llm-sender",
             self._send,
@@ -294,12 +294,12 @@ class EngineModel:
         records = []
         while not self._finished.empty():
             records.append(self._finished.get())
-        if not self.engine.reports_metrics():  # another instance sharing the engine does: it gets ours
+        if not self._reports:  # another instance sharing the engine does: it gets ours
             if records:
                 self.engine.forward_records(records)
             return
-        if self.metrics is None:  # tritonserver 2.51 frees a metric twice that two instances registered
-            self.metrics = EngineMetrics(*self._metrics_labels)
+        if self.metrics is None:  # finalized
+            return
         self.metrics.record(records)
         self.metrics.load(self.engine.running(), self.engine.in_batch(), self.engine.captured_graphs())
 

@@ -295,7 +295,8 @@ class EngineConfig:
             )
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if cuda else "float32")
         graphs = cuda if self.cuda_graphs is None else self.cuda_graphs
-        check_engine_instances(self.engine_instances, cuda if self.engine_process is None else self.engine_process)
+        own_process = cuda if self.engine_process is None else self.engine_process
+        check_engine_instances(self.engine_instances, own_process)
         decided = {
             "impl": impl,
             "device": device,
@@ -303,7 +304,7 @@ class EngineConfig:
             "cuda_graphs": graphs,
             "cudnn_attention": graphs if self.cudnn_attention is None else self.cudnn_attention,
             "async_batching": graphs if self.async_batching is None else self.async_batching,
-            "engine_process": cuda if self.engine_process is None else self.engine_process,
+            "engine_process": own_process,
         }
         if not cuda:
             decided.update({f.name: False for f in dataclasses.fields(self) if f.metadata.get("cuda_only")})
@@ -340,7 +341,8 @@ class BlockingGenerate:
 
     def relay_stop(self, request_id: str) -> bool:
         """Hands TensorRT-LLM's `stop` request for a client request id to every engine-model instance the engine
-        serves, each of which ends its calls that carry it; False when it serves the caller's instance alone."""
+        serves, each of which ends its calls that carry it (the caller's too); False for an engine in the caller's
+        process, which serves no other: the caller ends its own."""
         return False
 
     def reports_metrics(self) -> bool:

@@ -1,5 +1,5 @@
 """The portable engine (or the synthetic benchmark engine) in a process of its own, as vLLM's engine core runs apart
-from its API servers, shared by every instance of the engine model.
+from its API servers, which the engine model's instances share (--engine-instances).
 
 In one process, a single interpreter lock carries both the generation loop (transformers' host work
 for every step of every request) and the engine model's response sender (a Triton response per token
@@ -29,24 +29,40 @@ import itertools
 import os
 import pickle
 import secrets
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NoReturn
 
 from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, SubmitRules
 from tritonllm.engine.checks import check_submit
-from tritonllm.engine.process_child import RECORDS, REFUSED, STOP, lock
+from tritonllm.engine.process_child import (
+    CANCEL,
+    CLOSE,
+    CONFIG,
+    FAILED,
+    READY,
+    RECORDS,
+    REFUSED,
+    STOP,
+    SUBMIT,
+    lock,
+)
 from tritonllm.engine.synthetic import SyntheticConfig
 from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_ERROR
 
 SHUTDOWN_REASON = "the engine is shutting down"  # as the engines' own shutdown says it
+MAX_SOCKET_PATH = 100  # bytes: a Unix socket's path must fit in 108, with its terminating zero
+NOT_READY = "the engine's process closed the connection before it was ready"
 
 
 class EngineProcessError(EngineFailure):
@@ -77,7 +93,10 @@ def runtime_dir() -> Path:
 def socket_path(config: EngineConfig | SyntheticConfig, shared_as: str | None) -> Path:
     """The child's socket: one per `shared_as` and configuration; None gives a child of one's own."""
     scope = shared_as if shared_as is not None else secrets.token_hex(16)
-    return runtime_dir() / (hashlib.sha256(f"{scope}\n{config!r}".encode()).hexdigest()[:24] + ".sock")
+    path = runtime_dir() / (hashlib.sha256(f"{scope}\n{config!r}".encode()).hexdigest()[:24] + ".sock")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise EngineProcessError(f"{path} is too long for a Unix socket's path: set TMPDIR to a shorter folder")
+    return path
 
 
 class EngineProcess(BlockingGenerate):
@@ -100,32 +119,38 @@ class EngineProcess(BlockingGenerate):
         self._lock = threading.Lock()
         self._emits: dict[str, Callable[[Emission], None]] = {}
         self._ids = itertools.count()
-        # The child's latest load: in batch, CUDA graphs, every instance's requests, ours, instances connected,
-        # whether we report the metrics (until it says, our records go to the one that does: maybe us).
-        self._load = (0, 0, 0, 0, 1, False)
+        # The child's latest load: in batch, CUDA graphs, every instance's requests, ours, instances connected.
+        self._load = (0, 0, 0, 0, 1)
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
-        path = socket_path(config, shared_as)
-        self._own_lock = path.with_suffix(".lock") if shared_as is None else None  # removed at shutdown
+        self._path = socket_path(config, shared_as)
+        self._own_lock = self._path.with_suffix(".lock") if shared_as is None else None  # removed at shutdown
         self._process: subprocess.Popen | None = None  # the child, when this instance started it
-        self._started: tuple[Path, int] | None = None  # then its socket, and the socket's inode
-        with lock(path.with_suffix(".lock")):  # the child decides to exit holding it too
-            conn = _connect(path)
+        with lock(self._path.with_suffix(".lock")):  # the child decides to exit holding it too
+            conn = _connect(self._path)
             if conn is None:
-                self._process = _start(path)
-                self._started = (path, path.stat().st_ino)  # to remove, should the child die without doing so
-                conn = _connect(path)
-            answer = _handshake(conn, config, self._process)
-        if answer[0] != "ready":
-            if conn is not None:
-                conn.close()
-            if self._own_lock is not None:
-                self._own_lock.unlink(missing_ok=True)
-            raise EngineProcessError(f"the engine's process failed to start: {answer[1]}")
+                self._process = _start(self._path)
+                conn = _connect(self._path)
+            answer = _handshake(conn, config)
+            if answer[0] != READY:
+                self._failed(conn, answer[1])
         self._conn: Connection = conn
         self.submit_rules: SubmitRules = answer[1]  # what the child's engine refuses, checked here: a 400 at once
+        self._pid: int = answer[2]
+        self._reports: bool = answer[3]  # whether this instance reports the engine's metrics
         self._reader = threading.Thread(target=self._read, name="engine-process-reader", daemon=True)
         self._reader.start()
+
+    def _failed(self, conn: Connection | None, why: str) -> NoReturn:
+        if conn is not None:
+            conn.close()
+        if self._process is not None:  # started here: reaped here
+            code = _end_process(self._process, 30)
+            if why == NOT_READY:
+                why = f"it exited with code {code} before it was ready"
+        if self._own_lock is not None:
+            self._own_lock.unlink(missing_ok=True)
+        raise EngineProcessError(f"the engine's process failed to start: {why}")
 
     # ------------------------------------------------------------------ PortableEngine's interface
 
@@ -142,7 +167,7 @@ class EngineProcess(BlockingGenerate):
         if ended is not None:
             emit(Emission([], FINISH_ERROR, ended))
             return request_id
-        self._send(("submit", request_id, request))
+        self._send((SUBMIT, request_id, request))
         if admission is not None:
             admission.done.wait()  # the child compiles the guide, or its end fails the request
             if admission.answer[:1] == (REFUSED,):
@@ -155,23 +180,24 @@ class EngineProcess(BlockingGenerate):
         with self._lock:
             live = request_id in self._emits
         if live:
-            self._send(("cancel", request_id))
+            self._send((CANCEL, request_id))
 
     def relay_stop(self, request_id: str) -> bool:
         self._send((STOP, request_id))
         return True
 
     def reports_metrics(self) -> bool:
-        return self._load[5]
+        return self._reports
 
     def forward_records(self, records: list) -> None:
         self._send((RECORDS, pickle.dumps(records)))
 
     def running(self) -> int:
-        """Requests in the engine from every sharing instance: ours now, the others' at the child's latest report."""
-        _, _, everyone, ours, _, _ = self._load
+        """Requests in the engine from every sharing instance: ours now, the others' at the child's latest report
+        (at most LOAD_PERIOD old); none once the child is gone."""
+        _, _, everyone, ours, _ = self._load
         with self._lock:
-            return len(self._emits) + max(0, everyone - ours)
+            return 0 if self._ended else len(self._emits) + max(0, everyone - ours)
 
     def in_batch(self) -> int:
         return self._load[0]
@@ -184,20 +210,37 @@ class EngineProcess(BlockingGenerate):
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """This instance's requests fail, as the engines' own shutdown fails them, and its connection closes; the
-        child's engine stops with its last connection."""
+        child's engine stops with its last connection, and the last instance waits for that (a child on its way out
+        that has not exited by `timeout` is killed)."""
         self._end(SHUTDOWN_REASON)
-        self._send(("close",))  # the child cancels our requests and closes the connection
+        self._send((CLOSE,))  # the child cancels our requests and closes the connection
         self._reader.join(timeout)
         self._conn.close()
-        if self._process is None:
-            return
-        if self._load[4] > 1:  # it serves other instances on
-            self._process.poll()
-        else:  # started here and, as far as we know, ours alone: reaped once its engine stopped
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._process.wait(timeout)
+        if self._load[4] == 0:  # none left but us, at the child's last word
+            self._await_exit(timeout)
+        elif self._process is not None:
+            self._process.poll()  # it serves other instances on; reaped here if it is already gone
         if self._own_lock is not None:
             self._own_lock.unlink(missing_ok=True)
+
+    def _await_exit(self, timeout: float) -> None:
+        """The child, its last connection gone, removes its socket and stops its engine. One still listening serves
+        an instance that connected meanwhile; one on its way out still there after `timeout` is killed."""
+        deadline = time.monotonic() + timeout
+        while not self._child_gone() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self._child_gone() or self._path.exists():
+            return
+        if self._process is not None:
+            _end_process(self._process, 0)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGKILL)
+
+    def _child_gone(self) -> bool:
+        if self._process is not None:
+            return self._process.poll() is not None
+        return not _is_engine_process(self._pid)
 
     # ------------------------------------------------------------------ the connection
 
@@ -216,7 +259,7 @@ class EngineProcess(BlockingGenerate):
                     self._answered(request_id, emission)
                     continue
                 with self._lock:
-                    emit = self._emits.pop(request_id) if emission.final else self._emits.get(request_id)
+                    emit = self._emits.pop(request_id, None) if emission.final else self._emits.get(request_id)
                     admission = self._admissions.pop(request_id, None) if emission.final else None
                 if emit is not None:
                     emit(emission)
@@ -228,12 +271,12 @@ class EngineProcess(BlockingGenerate):
                 elif kind == RECORDS:
                     self._on_records(pickle.loads(payload))
         # Not asked to close: the child is gone, and its code is known where it was started.
-        died = self._process is not None and self._ended is None
-        code = self._process.wait() if died else None
+        died = self._ended is None
+        code = self._process.wait() if died and self._process is not None else None
         reason = "the engine's process has stopped" if not code else f"the engine's process exited with code {code}"
         self._end(reason)
-        if died and self._started is not None:
-            _remove_socket(*self._started)
+        if died:
+            _remove_stale_socket(self._path)
 
     def _end(self, reason: str) -> None:
         """No more requests: those waiting for the child fail with `reason`."""
@@ -264,7 +307,7 @@ class EngineProcess(BlockingGenerate):
 
 def _connect(path: Path) -> Connection | None:
     """A connection to the child listening at `path`; None when none does (a socket left by a killed child is
-    removed)."""
+    removed: nothing listens on it, and a new child binds it under the lock the caller holds)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(str(path))
@@ -275,25 +318,43 @@ def _connect(path: Path) -> Connection | None:
     return Connection(sock.detach())
 
 
-def _handshake(
-    conn: Connection | None, config: EngineConfig | SyntheticConfig, started: subprocess.Popen | None
-) -> tuple:
-    """The child's answer to the configuration: ("ready", its SubmitRules) or ("failed", why)."""
+def _handshake(conn: Connection | None, config: EngineConfig | SyntheticConfig) -> tuple:
+    """The child's answer to the configuration: (READY, rules, pid, reports metrics) or (FAILED, why)."""
     try:
-        if conn is None:  # the child just started has gone
+        if conn is None:  # the child just started is gone
             raise EOFError
-        conn.send(("config", config))
+        conn.send((CONFIG, config))
         return conn.recv()
     except (EOFError, OSError):
-        code = started.wait() if started is not None else "unknown"
-        return ("failed", f"it exited with code {code} before it was ready")
+        return (FAILED, NOT_READY)
 
 
-def _remove_socket(path: Path, inode: int) -> None:
-    """A dead child's socket, unless another instance has replaced it since (under the lock, as they do)."""
-    with lock(path.with_suffix(".lock")), contextlib.suppress(FileNotFoundError):
-        if path.stat().st_ino == inode:
-            path.unlink()
+def _remove_stale_socket(path: Path) -> None:
+    """A dead child's socket, unless another instance has started a child there since (under the lock, as they
+    do): connecting tells, and removes a socket nothing listens on."""
+    with lock(path.with_suffix(".lock")):
+        conn = _connect(path)
+        if conn is not None:
+            conn.close()  # a live child's: it drops a connection that sends no configuration
+
+
+def _is_engine_process(pid: int) -> bool:
+    """Whether `pid` is still an engine's process (not exited, not a zombie, not a reused pid)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and b"tritonllm.engine.process_child" in command
+
+
+def _end_process(process: subprocess.Popen, timeout: float) -> int:
+    """`process`'s exit code, killed if it has not exited in `timeout` seconds."""
+    try:
+        return process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
 
 
 def _start(path: Path) -> subprocess.Popen:

@@ -11,9 +11,10 @@ way out.
 
 Requests, emissions and their generation controls travel pickled; a parent checks what this engine refuses by the
 `SubmitRules` it reports when ready. A guided request is answered ADMITTED or REFUSED once its guide compiled. A
-client's `stop` request, which reaches one instance, is relayed to every connection; the engine's metrics are
-reported by one instance (tritonserver 2.51 frees a metric twice that two stubs registered), to which the others'
-records are relayed.
+client's `stop` request, which reaches one instance, is relayed to every connection. The engine's metrics are
+reported by the first connection's instance alone, for the process's life, to which the others' records are
+relayed: in tritonserver 2.51 a metric that two stubs register (same name and labels) is one, freed when either
+stub drops it while the other still updates it.
 """
 
 from __future__ import annotations
@@ -37,17 +38,19 @@ from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_ERROR
 
 LOAD_PERIOD = 0.2  # seconds between load reports while a connection's requests emit nothing; and the accept poll
-# Answers to a submit, sent among a connection's emissions as plain tuples: ("admitted",) when the engine queued a
-# request the parent waits on (a guided one); ("refused", field, message) when its engine's `submit` raised
-# InputError. Plain tuples, because this module runs as __main__, whose classes the parent could not unpickle.
-ADMITTED = "admitted"
-REFUSED = "refused"
-# Messages of one connection that the child relays: a client's stop request (its request id) to every connection;
-# metrics records (pickled by the sender: this process does not import the model's modules) to the reporting one.
-STOP = "stop"
-RECORDS = "records"
+CONFIG_SECONDS = 5.0  # a new connection's configuration must come within this, or it is closed
+# The protocol's messages, plain tuples whose first item is one of these: this module runs as __main__, whose
+# classes the parent could not unpickle.
+# From an instance: (CONFIG, config) first; then (SUBMIT, id, request), (CANCEL, id), (STOP, client request id),
+# (RECORDS, pickled metrics records: this process does not import the model's modules), (CLOSE,).
+CONFIG, SUBMIT, CANCEL, STOP, RECORDS, CLOSE = "config", "submit", "cancel", "stop", "records", "close"
+# To an instance: (READY, SubmitRules, pid, reports metrics) or (FAILED, why); then (EMISSIONS, [(id, emission or
+# answer)], load, [relayed (STOP, ...) or (RECORDS, ...)]). Answers to a submit: (ADMITTED,) when the engine queued
+# a request the parent waits on (a guided one); (REFUSED, field, message) when its `submit` raised InputError.
+READY, FAILED, EMISSIONS, ADMITTED, REFUSED = "ready", "failed", "emissions", "admitted", "refused"
+REPORTER = 0  # the connection that reports the engine's metrics: the first, for the process's life
 
-_CLOSED = object()  # a connection's outgoing queue: send what is queued, then the close answer, then stop
+_CLOSED = object()  # a connection's outgoing queue: send what is queued, then stop
 
 
 @contextlib.contextmanager
@@ -66,20 +69,23 @@ def lock(path: Path, wait: bool = True) -> Iterator[bool]:
         os.close(fd)  # releases the lock
 
 
+Key = tuple[int, str]  # (connection, the instance's request id)
+
+
 class _Requests:
-    """Every connection's requests: (connection, the parent's id) -> the engine's id, while they run. `submit` holds
-    no lock while the engine takes a request (and compiles its guide), so neither the engine's emissions nor other
-    submits wait."""
+    """Every connection's requests: their keys -> the engine's ids, while they run. `submit` holds no lock while the
+    engine takes a request (and compiles its guide), so neither the engine's emissions nor other submits wait."""
 
     def __init__(self, engine: BlockingGenerate) -> None:
         self.engine = engine
         self._lock = threading.Lock()
         self._live: dict[int, set[str]] = {}  # connection -> its requests from submit to their end
-        self._engine_ids: dict[tuple[int, str], str] = {}
-        self._ended: set[tuple[int, str]] = set()  # ended before `submit` returned their engine id
-        self._cancelled: set[tuple[int, str]] = set()  # cancelled before it did
+        self._engine_ids: dict[Key, str] = {}
+        self._submitting: set[Key] = set()  # in the engine's `submit`
+        self._ended: set[Key] = set()  # ended before `submit` returned their engine id
+        self._cancelled: set[Key] = set()  # cancelled before it did
 
-    def open(self, conn: int) -> None:
+    def add_connection(self, conn: int) -> None:
         with self._lock:
             self._live[conn] = set()
 
@@ -94,6 +100,7 @@ class _Requests:
             if conn not in self._live:
                 return  # the connection closed meanwhile
             self._live[conn].add(request_id)
+            self._submitting.add(key)
         try:
             engine_id = self.engine.submit(request, self._emitter(key, outgoing))
         except InputError as exc:
@@ -103,6 +110,7 @@ class _Requests:
             outgoing.put((request_id, Emission([], FINISH_ERROR, str(exc))))
             engine_id = None
         with self._lock:
+            self._submitting.discard(key)
             ended = key in self._ended or engine_id is None
             cancelled = key in self._cancelled
             self._ended.discard(key)
@@ -122,29 +130,28 @@ class _Requests:
         key = (conn, request_id)
         with self._lock:
             engine_id = self._engine_ids.get(key)
-            if engine_id is None and request_id in self._live.get(conn, ()):
-                self._cancelled.add(key)  # still in the engine's `submit`
+            if engine_id is None and key in self._submitting:
+                self._cancelled.add(key)
         if engine_id is not None:
             self.engine.cancel(engine_id)
 
     def close(self, conn: int) -> None:
         """A connection's end: its requests are cancelled (those still in `submit` once they are in the engine)."""
         with self._lock:
-            request_ids = self._live.pop(conn, set())
-            keys = [(conn, request_id) for request_id in request_ids]
+            keys = [(conn, request_id) for request_id in self._live.pop(conn, set())]
             engine_ids = [self._engine_ids[key] for key in keys if key in self._engine_ids]
-            self._cancelled.update(key for key in keys if key not in self._engine_ids)
+            self._cancelled.update(key for key in keys if key in self._submitting)
         for engine_id in engine_ids:
             self.engine.cancel(engine_id)
 
-    def _emitter(self, key: tuple[int, str], outgoing: queue.SimpleQueue) -> Callable[[Emission], None]:
+    def _emitter(self, key: Key, outgoing: queue.SimpleQueue) -> Callable[[Emission], None]:
         conn, request_id = key
 
         def emit(emission: Emission) -> None:
             if emission.final:
                 with self._lock:
-                    if self._engine_ids.pop(key, None) is None:
-                        self._ended.add(key)  # still in `submit`
+                    if self._engine_ids.pop(key, None) is None and key in self._submitting:
+                        self._ended.add(key)
                     live = self._live.get(conn)
                     if live is not None:
                         live.discard(request_id)
@@ -160,23 +167,25 @@ class EngineServer:
         self.engine = engine
         self.config = config
         self.requests = _Requests(engine)
-        self._ids = itertools.count()
+        self._numbers = itertools.count()
         self._lock = threading.Lock()
         self._outgoing: dict[int, queue.SimpleQueue] = {}  # open connections' queues
         self._threads: list[threading.Thread] = []
 
-    def open(self) -> int:
+    def connections(self) -> int:
         with self._lock:
             return len(self._outgoing)
 
-    def serve(self, conn: Connection) -> None:
-        """A connection whose configuration the caller answered: its reader and its sender, on threads of their own."""
-        number = next(self._ids)
+    def admit(self, conn: Connection) -> None:
+        """A connection whose configuration matched: answered READY, then served by a reader and a sender of its
+        own."""
+        number = next(self._numbers)
+        conn.send((READY, self.engine.submit_rules, os.getpid(), number == REPORTER))
         outgoing: queue.SimpleQueue = queue.SimpleQueue()
-        self.requests.open(number)
+        self.requests.add_connection(number)
         with self._lock:
             self._outgoing[number] = outgoing
-        for target, name in ((self._read, "reader"), (self._send, "sender")):
+        for target, name in ((self._read, "reader"), (self._send_loop, "sender")):
             thread = threading.Thread(target=target, args=(conn, number, outgoing), name=f"engine-{name}-{number}")
             thread.start()
             self._threads.append(thread)
@@ -191,42 +200,40 @@ class EngineServer:
                 message = conn.recv()
             except (EOFError, OSError):
                 break  # the instance is gone
-            if message[0] == "submit":
+            kind = message[0]
+            if kind == SUBMIT:
                 _, request_id, request = message
                 if request.guide is None:
                     self.requests.submit(number, request_id, request, outgoing)
                 else:  # compiling a new grammar takes up to seconds: meanwhile this loop takes other requests
                     args = (number, request_id, request, outgoing)
                     threading.Thread(target=self.requests.submit, args=args, daemon=True).start()
-            elif message[0] == "cancel":
+            elif kind == CANCEL:
                 self.requests.cancel(number, message[1])
-            elif message[0] == STOP:  # a client's stop request: every instance ends its calls that carry the id
-                self._relay(message, everyone=True)
-            elif message[0] == RECORDS:  # an instance's metrics records: the reporting instance counts them
-                self._relay(message, everyone=False)
-            elif message[0] == "close":
+            elif kind == STOP:  # a client's stop request: every instance ends its calls that carry the id
+                self._relay(message, None)
+            elif kind == RECORDS:  # an instance's metrics records: the reporting instance counts them
+                self._relay(message, REPORTER)
+            elif kind == CLOSE:
                 break
-        self.requests.close(number)
+            else:
+                print(f"engine process: connection {number} sent an unknown message {kind!r}", file=sys.stderr)
         with self._lock:
-            self._outgoing.pop(number, None)
+            self._outgoing.pop(number, None)  # first: nothing is relayed to it any more
+        self.requests.close(number)
         outgoing.put(_CLOSED)
 
-    def _relay(self, message: tuple, everyone: bool) -> None:
+    def _relay(self, message: tuple, to: int | None) -> None:
+        """To every open connection (`to` None), or to connection `to` if open (else it is dropped)."""
         with self._lock:
-            numbers = sorted(self._outgoing)[: None if everyone else 1]
-            queues = [self._outgoing[n] for n in numbers]
+            queues = [q for n, q in self._outgoing.items() if to is None or n == to]
         for each in queues:
             each.put((None, message))
 
-    def _connections(self, number: int) -> tuple[int, bool]:
-        """How many connections are open, and whether `number` reports the metrics: the oldest open one."""
-        with self._lock:
-            return len(self._outgoing), bool(self._outgoing) and number == min(self._outgoing)
-
-    def _send(self, conn: Connection, number: int, outgoing: queue.SimpleQueue) -> None:
+    def _send_loop(self, conn: Connection, number: int, outgoing: queue.SimpleQueue) -> None:
         """One message per wake-up: every emission queued for this connection since the last one, the messages of
         other connections relayed to it, and the load: (in batch, CUDA graphs, requests of all connections, this
-        connection's, connections, whether this one reports the metrics)."""
+        connection's, open connections but this one if it is closing)."""
         closed = False
         while not closed:
             try:
@@ -242,18 +249,20 @@ class EngineServer:
             emissions = [i for i in items if i is not _CLOSED and i[0] is not None]
             relayed = [i[1] for i in items if i is not _CLOSED and i[0] is None]
             engine = (self.engine.in_batch(), self.engine.captured_graphs())
-            load = (*engine, *self.requests.load(number), *self._connections(number))
+            load = (*engine, *self.requests.load(number), self.connections())
             try:
-                conn.send(("emissions", emissions, load, relayed))
+                conn.send((EMISSIONS, emissions, load, relayed))
             except OSError:
                 break  # the instance is gone; the reader sees it too
         conn.close()
 
 
-def _read_config(conn: Connection) -> object:
-    """A new connection's first message: the engine's configuration."""
+def _read_config(conn: Connection, timeout: float | None = None) -> object:
+    """A new connection's first message: the engine's configuration (EOFError when none comes in `timeout`)."""
+    if timeout is not None and not conn.poll(timeout):
+        raise EOFError
     kind, config = conn.recv()
-    if kind != "config":
+    if kind != CONFIG:
         raise ValueError(f"a connection's first message must be its configuration, not {kind!r}")
     return config
 
@@ -276,17 +285,16 @@ def serve(
     except BaseException as exc:
         traceback.print_exc()  # into the server's log; the parent's error names the exception
         path.unlink(missing_ok=True)  # the starting instance holds the lock: nobody else is connecting
-        first.send(("failed", "".join(traceback.format_exception_only(exc)).strip()))
+        first.send((FAILED, "".join(traceback.format_exception_only(exc)).strip()))
         return 1
     server = EngineServer(engine, config)
-    first.send(("ready", engine.submit_rules))
-    server.serve(first)
+    server.admit(first)
     listener.settimeout(LOAD_PERIOD)
     while True:
         try:
             accepted = listener.accept()[0]
         except TimeoutError:
-            if not server.open() and _stop_listening(path):
+            if not server.connections() and _stop_listening(path):
                 break
             continue
         accepted.setblocking(True)
@@ -307,17 +315,17 @@ def _stop_listening(path: Path) -> bool:
 
 
 def _welcome(server: EngineServer, conn: Connection) -> None:
+    """A later connection: admitted if it names the engine's configuration; whatever it does wrong, it alone is
+    closed."""
     try:
-        config = _read_config(conn)
-    except (EOFError, OSError, ValueError):
-        conn.close()
-        return
-    if config != server.config:
-        conn.send(("failed", "the engine's process serves another configuration"))
-        conn.close()
-        return
-    conn.send(("ready", server.engine.submit_rules))
-    server.serve(conn)
+        config = _read_config(conn, CONFIG_SECONDS)
+        if config == server.config:
+            server.admit(conn)
+            return
+        conn.send((FAILED, "the engine's process serves another configuration"))
+    except Exception as exc:  # gone, silent, or not speaking the protocol
+        print(f"engine process: a connection failed before it was admitted: {exc!r}", file=sys.stderr)
+    conn.close()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -308,11 +309,13 @@ def test_a_cancelled_request_the_engine_ends_later_still_gets_one_final_response
 
 
 @pytest.fixture
-def started(pb_utils, monkeypatch, tmp_path):
-    """An EngineModel through `initialize`, with its real sender thread, on a fake engine in place of EngineProcess."""
+def started(pb_utils, monkeypatch, tmp_path, request):
+    """An EngineModel through `initialize`, with its real sender thread, on a fake engine in place of EngineProcess
+    (one that reports the metrics unless the test's parameter says False)."""
     from tritonllm.backend import engine_model
 
     engine = FakeEngine(refuse=7)
+    engine.reporting = getattr(request, "param", True)
 
     def shared(config, shared_as: str, on_stop, on_records):
         engine.shared_as, engine.on_stop, engine.on_records = shared_as, on_stop, on_records
@@ -385,7 +388,8 @@ def test_a_stop_request_reaches_every_instance_sharing_the_engine(started, pb_ut
     """With the engine in a process of its own, the instances of the engine model on one server share it, and a stop
     request, which reaches one of them, ends the calls of every one: the engine relays it to each (`on_stop`)."""
     engine = started.engine
-    assert engine.shared_as == f"{os.getppid()}:{tmp_path.resolve() / '1'}"  # the server's process and the model
+    # The host (a container's own), the server's process and the model's folder.
+    assert engine.shared_as == f"{socket.gethostname()}:{os.getppid()}:{tmp_path.resolve() / '1'}"
     engine.relayed = []
     running = request(pb_utils, [1, 2], request_id="r1")
     started.execute([running])
@@ -397,20 +401,22 @@ def test_a_stop_request_reaches_every_instance_sharing_the_engine(started, pb_ut
     assert eventually(lambda: [flags for _, flags in running.sender.sent] == [FINAL])
 
 
+@pytest.mark.parametrize("started", [False], indirect=True)
 def test_an_instance_that_does_not_report_the_metrics_forwards_its_records(started, pb_utils):
-    """Of the instances sharing an engine, one registers and reports the metrics (tritonserver 2.51 frees a metric
-    twice that two stubs registered); the others forward their records, which it counts as its own."""
-    reporter, engine = started, started.engine
+    """Of the instances sharing an engine, one registers and reports the metrics (in tritonserver 2.51 a metric two
+    stubs register is one, freed by either while the other updates it); the others forward their records."""
     over = [request(pb_utils, [1, 2]) for _ in range(4)]  # capacity 3: the fourth is refused, busy
-    reporter.execute(over)
-    engine.reporting = False  # as another instance than the reporting one
-    reporter._update_metrics()
-    assert engine.forwarded == ["server_busy"]
-    engine.reporting = True
-    engine.on_records(engine.forwarded)  # relayed to the reporting instance
-    reporter._update_metrics()
-    (busy,) = [m for m in reporter.metrics.errors.values() if m.labels["kind"] == "server_busy"]
-    assert busy.value() == 1 and len(pb_utils.metric_families) == len(reporter.metrics._families)
+    started.execute(over)
+    started._update_metrics()  # or its sender's periodic tick does
+    assert eventually(lambda: started.engine.forwarded == ["server_busy"])
+    assert started.metrics is None and pb_utils.metric_families == []  # registered none
+
+
+def test_the_reporting_instance_counts_the_records_others_forwarded(started, pb_utils):
+    started.engine.on_records(["server_busy", "server_busy"])  # relayed by the engine's process
+    started._update_metrics()  # or its sender's periodic tick does
+    (busy,) = [m for m in started.metrics.errors.values() if m.labels["kind"] == "server_busy"]
+    assert eventually(lambda: busy.value() == 2) and started.engine.forwarded == []
 
 
 def test_a_stop_request_ends_a_stream_after_the_tokens_it_got(model, pb_utils):

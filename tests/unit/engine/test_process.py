@@ -17,8 +17,25 @@ import pytest
 from tests.polling import eventually
 from tritonllm.engine.api import Emission, EngineConfig, GenerationRequest, Guide, SamplingParams, SubmitRules
 from tritonllm.engine.portable import PortableEngine
-from tritonllm.engine.process import EngineProcess, EngineProcessError, _connect, _handshake, socket_path
-from tritonllm.engine.process_child import ADMITTED, LOAD_PERIOD, lock, serve
+from tritonllm.engine.process import (
+    EngineProcess,
+    EngineProcessError,
+    _connect,
+    _handshake,
+    _is_engine_process,
+    socket_path,
+)
+from tritonllm.engine.process_child import (
+    ADMITTED,
+    CANCEL,
+    CLOSE,
+    CONFIG,
+    LOAD_PERIOD,
+    READY,
+    SUBMIT,
+    lock,
+    serve,
+)
 from tritonllm.engine.synthetic import SyntheticConfig
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, MAX_WORD_SEQUENCES
@@ -173,28 +190,31 @@ def test_a_compiling_guide_holds_up_neither_emissions_nor_other_requests(tmp_pat
     served = threading.Thread(target=serve, args=(listener, path, lambda _: engine), daemon=True)
     served.start()
     parent = Client(str(path), family="AF_UNIX")
-    parent.send(("config", None))
-    assert parent.poll(10) and parent.recv() == ("ready", CompilingEngine.submit_rules)  # what the parent checks
+    parent.send((CONFIG, None))
+    assert parent.poll(10)
+    ready = parent.recv()  # with what the parent checks, and that the first connection reports the metrics
+    assert ready == (READY, CompilingEngine.submit_rules, os.getpid(), True)
     guided = GenerationRequest([1, 2], max_new_tokens=1, guide=Guide("regex", "[0-9]+"))
-    parent.send(("submit", "p0", guided))
-    parent.send(("submit", "p1", GenerationRequest([1, 2], max_new_tokens=1)))
+    parent.send((SUBMIT, "p0", guided))
+    parent.send((SUBMIT, "p1", GenerationRequest([1, 2], max_new_tokens=1)))
     got = []
     deadline = time.monotonic() + 10
     while not any(request_id == "p1" for request_id, _ in got):
         assert parent.poll(max(0.0, deadline - time.monotonic())), "the plain request waited on the compile"
         got += parent.recv()[1]
-    parent.send(("cancel", "p0"))  # while its guide compiles: the engine cancels it once it has it
+    parent.send((CANCEL, "p0"))  # while its guide compiles: the engine cancels it once it has it
     time.sleep(0.2)
     engine.compiled.set()
     while ("p0", (ADMITTED,)) not in got:
         assert parent.poll(10)
         got += parent.recv()[1]
     assert eventually(lambda: engine.cancels == ["guided"], 10)
-    parent.send(("close",))  # the stand-in never ends it: the connection's end cancels it again
+    parent.send((CLOSE,))  # the stand-in never ends it: the connection's end cancels it again
     served.join(10)
     assert engine.cancels == ["guided", "guided"] and not served.is_alive() and not path.exists()
 
 
+SCOPE = f"tests-{os.getpid()}"  # the children these tests share live in the user's folder: one run's own
 SYNTHETIC = SyntheticConfig(tuple(range(100, 140)), max_batch_size=4, step_ms=1, engine_process=True)
 
 
@@ -214,14 +234,14 @@ def test_instances_sharing_one_engine():
     first, second = (
         EngineProcess(
             SYNTHETIC,
-            "server:model",
+            f"{SCOPE}:model",
             lambda rid, name=name: stops.append((name, rid)),
             lambda got, name=name: records.append((name, got)),
         )
         for name in ("first", "second")
     )
-    other = EngineProcess(SyntheticConfig(SYNTHETIC.text_ids, max_batch_size=2, step_ms=1), "server:model")
-    path = socket_path(SYNTHETIC, "server:model")
+    other = EngineProcess(SyntheticConfig(SYNTHETIC.text_ids, max_batch_size=2, step_ms=1), f"{SCOPE}:model")
+    path = socket_path(SYNTHETIC, f"{SCOPE}:model")
     try:
         assert first._process is not None and second._process is None  # started once
         assert other._process is not None  # another configuration: another engine
@@ -237,22 +257,26 @@ def test_instances_sharing_one_engine():
         assert eventually(lambda: first.reports_metrics() and not second.reports_metrics(), 10)
         second.forward_records(["busy", "busy"])
         assert eventually(lambda: records == [("first", ["busy", "busy"])], 10)
-        second.shutdown()
-        assert mine and not mine[-1].final  # still served after another instance left
-        assert eventually(first.reports_metrics, 10)
-        first.cancel(request_id)
-        assert eventually(lambda: mine[-1].final, 10)
-        assert mine[-1].finish_reason == FINISH_CANCELLED
+        # The instance that started it leaves first: at once, its requests failed, the other served on.
+        started = time.monotonic()
+        first.shutdown()
+        assert time.monotonic() - started < 5 and first._process.poll() is None
+        assert mine[-1].final and mine[-1].finish_reason == FINISH_ERROR and request_id
+        assert len(tokens(second, GenerationRequest([1], 4))) == 4
+        assert not second.reports_metrics()  # the metrics never move to another instance
+        pid = second._pid
+        second.shutdown()  # the last: it waits for the child to exit
+        assert not _is_engine_process(pid) and not path.exists()
+        assert eventually(lambda: first._process.poll() == 0, 10)
     finally:
         first.shutdown()
         other.shutdown()
         second.shutdown()
-    assert first._process.returncode == 0 and not path.exists()
 
 
 def test_a_killed_shared_engine_is_started_again_by_the_next_instance():
-    path = socket_path(SYNTHETIC, "server:killed")
-    first = EngineProcess(SYNTHETIC, "server:killed")
+    path = socket_path(SYNTHETIC, f"{SCOPE}:killed")
+    first = EngineProcess(SYNTHETIC, f"{SCOPE}:killed")
     os.kill(first._process.pid, signal.SIGKILL)
     assert eventually(lambda: not first.alive(), 10)
     assert eventually(lambda: not path.exists(), 10)  # its socket, removed by the instance that started it
@@ -260,7 +284,7 @@ def test_a_killed_shared_engine_is_started_again_by_the_next_instance():
     left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     left.bind(str(path))
     left.close()
-    again = EngineProcess(SYNTHETIC, "server:killed")
+    again = EngineProcess(SYNTHETIC, f"{SCOPE}:killed")
     try:
         assert again._process is not None and len(tokens(again, GenerationRequest([1], 3))) == 3
     finally:
@@ -272,13 +296,13 @@ def test_a_killed_shared_engine_is_started_again_by_the_next_instance():
 def test_the_engine_stays_while_an_instance_is_connecting():
     """An instance holds the lock from connecting until the child answered it: the child, its last connection
     gone, does not leave meanwhile (the instance would connect to an engine on its way out)."""
-    only = EngineProcess(SYNTHETIC, "server:connecting")
-    path = socket_path(SYNTHETIC, "server:connecting")
+    only = EngineProcess(SYNTHETIC, f"{SCOPE}:connecting")
+    path = socket_path(SYNTHETIC, f"{SCOPE}:connecting")
     with lock(path.with_suffix(".lock")):  # as an instance about to connect
         only.shutdown(timeout=0.5)  # the last connection: the child would leave now
         time.sleep(3 * LOAD_PERIOD)
         assert only._process.poll() is None and path.exists()
         late = _connect(path)
-        assert late is not None and _handshake(late, SYNTHETIC, None)[0] == "ready"
+        assert late is not None and _handshake(late, SYNTHETIC)[0] == READY
     late.close()  # now the last connection ends with nobody connecting: the child leaves
     assert only._process.wait(10) == 0 and not path.exists()
