@@ -120,7 +120,9 @@ class BuildPlan:
 
     def template_values(self) -> dict[str, str]:
         bridge = {} if self.decoupled_mode else {"bridge_instance_count": str(self.text_instances)}  # rendered?
-        return bridge | {
+        # The Python engine model's template (the TensorRT-LLM flavor's is NVIDIA's backend's, with its own).
+        engine = {} if self.engine == "trtllm" else {"engine_instance_count": str(self.engine_instances)}
+        return bridge | engine | {
             "triton_max_batch_size": str(self.max_batch_size),
             "max_queue_delay_microseconds": "0",
             "preprocessing_instance_count": str(self.text_instances),
@@ -137,7 +139,6 @@ class BuildPlan:
             "max_inflight_requests": str(8 * self.max_batch_size),
             "max_queue_size": str(self.queue_size),
             "engine_model": self.engine_model,
-            "engine_instance_count": str(self.engine_instances),
             "guided_decoding": self.guided_decoding,
             **self.engine_values,
         }
