@@ -119,10 +119,10 @@ class BuildPlan:
         return [f"--backend-config=python,thread-pool-size={threads}"]
 
     def template_values(self) -> dict[str, str]:
-        bridge = {} if self.decoupled_mode else {"bridge_instance_count": str(self.text_instances)}  # rendered?
-        # The Python engine model's template (the TensorRT-LLM flavor's is NVIDIA's backend's, with its own).
-        engine = {} if self.engine == "trtllm" else {"engine_instance_count": str(self.engine_instances)}
-        return bridge | engine | {
+        counts = {} if self.decoupled_mode else {"bridge_instance_count": str(self.text_instances)}  # rendered?
+        if self.engine != "trtllm":  # the Python engine model's template (NVIDIA's backend's has its own)
+            counts["engine_instance_count"] = str(self.engine_instances)
+        return counts | {
             "triton_max_batch_size": str(self.max_batch_size),
             "max_queue_delay_microseconds": "0",
             "preprocessing_instance_count": str(self.text_instances),
