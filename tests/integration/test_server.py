@@ -337,6 +337,8 @@ def test_metrics_add_up_after_traffic(server, url, manifest):
             triton.infer("tensorrt_llm", bad)
     time.sleep(0.6)  # the engine flushes its metrics every 0.2 s
     after = scrape(server)
+    finished = metric_value(after, "tritonllm_requests_finished_total")
+    assert finished and metric_value(after, "tritonllm_requests_finished_total", device="cpu") == finished
     delta = {
         name: metric_value(after, name) - metric_value(before, name)
         for name in (

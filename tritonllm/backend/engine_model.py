@@ -165,7 +165,7 @@ class EngineModel:
         log_info(f"tensorrt_llm: {what}, ready in {time.perf_counter() - started:.1f} s")
         # Of the instances sharing an engine, one registers the metrics; the others forward it their records.
         self._reports = self.engine.reports_metrics()
-        self.metrics = EngineMetrics(args["model_name"], args["model_version"]) if self._reports else None
+        self.metrics = EngineMetrics(args["model_name"], args["model_version"], device) if self._reports else None
         self._outbox: Outbox[Emission] = Outbox(
             "tensorrt_llm-sender",
             self._send,

@@ -1,6 +1,10 @@
 """The engine's Prometheus metrics, on tritonserver's metrics port beside Triton's own.
 
-All carry the labels `model` and `version`. Each update is a round trip to the server made with the GIL held
+All carry the labels `model`, `version` and `device`: the engine-model instance's (cuda:N, one engine per GPU,
+or cpu). Two stubs must not register a metric of the same name and labels: tritonserver 2.51 gives both one
+metric, which either frees while the other still updates it.
+
+Each update is a round trip to the server made with the GIL held
 (the stub's `Metric.increment`, `set` and `observe`), which stops every other thread of the model's process
 meanwhile; so the engine model makes them from its sender thread's periodic tick, never from the generation
 loop, and `record` adds up each counter's requests into one increment per tick.
@@ -40,8 +44,8 @@ class Finished:
 
 
 class EngineMetrics:
-    def __init__(self, model: str, version: str) -> None:
-        labels = {"model": model, "version": version}
+    def __init__(self, model: str, version: str, device: str) -> None:
+        labels = {"model": model, "version": version, "device": device}
         family = pb_utils.MetricFamily
         self._families = []  # a family must outlive its metrics
 

@@ -13,7 +13,7 @@ def metrics(monkeypatch):
     fake_pb_utils.install(monkeypatch)
     from tritonllm.backend.metrics import EngineMetrics
 
-    return EngineMetrics("tensorrt_llm", "1")
+    return EngineMetrics("tensorrt_llm", "1", "cuda:0")
 
 
 def test_a_flush_increments_each_counter_once_and_observes_each_request(metrics):
@@ -46,3 +46,11 @@ def test_a_flush_with_nothing_to_count_makes_no_round_trip(metrics):
     metrics.record([])
     counters = [metrics.input_tokens, metrics.output_tokens, metrics.cached_tokens, *metrics.finished.values()]
     assert sum(m.increments for m in counters) == 0
+
+
+def test_every_metric_carries_the_instances_device(metrics):
+    """One engine-model instance per GPU registers the metrics: its device tells them apart (in tritonserver 2.51
+    two stubs registering a metric of the same name and labels get one, freed by either while the other updates
+    it)."""
+    made = [metric for family in fake_pb_utils.metric_families for metric in family.metrics]
+    assert made and all(m.labels["device"] == "cuda:0" and m.labels["model"] == "tensorrt_llm" for m in made)
