@@ -54,7 +54,8 @@ from tritonllm.engine.process_child import (
     REFUSED,
     STOP,
     SUBMIT,
-    lock,
+    lock_file,
+    socket_lock,
 )
 from tritonllm.engine.synthetic import SyntheticConfig
 from tritonllm.errors import EngineFailure, InputError
@@ -124,9 +125,9 @@ class EngineProcess(BlockingGenerate):
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
         self._path = socket_path(config, shared_as)
-        self._own_lock = self._path.with_suffix(".lock") if shared_as is None else None  # removed at shutdown
+        self._private = shared_as is None  # then its lock file is removed at shutdown
         self._process: subprocess.Popen | None = None  # the child, when this instance started it
-        with lock(self._path.with_suffix(".lock")):  # the child decides to exit holding it too
+        with socket_lock(self._path):  # the child decides to exit holding it too
             conn = _connect(self._path)
             if conn is None:
                 self._process = _start(self._path)
@@ -148,8 +149,8 @@ class EngineProcess(BlockingGenerate):
             code = _end_process(self._process, 30)
             if why == NOT_READY:
                 why = f"it exited with code {code} before it was ready"
-        if self._own_lock is not None:
-            self._own_lock.unlink(missing_ok=True)
+        if self._private:
+            lock_file(self._path).unlink(missing_ok=True)
         raise EngineProcessError(f"the engine's process failed to start: {why}")
 
     # ------------------------------------------------------------------ PortableEngine's interface
@@ -220,8 +221,8 @@ class EngineProcess(BlockingGenerate):
             self._await_exit(timeout)
         elif self._process is not None:
             self._process.poll()  # it serves other instances on; reaped here if it is already gone
-        if self._own_lock is not None:
-            self._own_lock.unlink(missing_ok=True)
+        if self._private:
+            lock_file(self._path).unlink(missing_ok=True)
 
     def _await_exit(self, timeout: float) -> None:
         """The child, its last connection gone, removes its socket and stops its engine. One still listening serves
@@ -332,7 +333,7 @@ def _handshake(conn: Connection | None, config: EngineConfig | SyntheticConfig) 
 def _remove_stale_socket(path: Path) -> None:
     """A dead child's socket, unless another instance has started a child there since (under the lock, as they
     do): connecting tells, and removes a socket nothing listens on."""
-    with lock(path.with_suffix(".lock")):
+    with socket_lock(path):
         conn = _connect(path)
         if conn is not None:
             conn.close()  # a live child's: it drops a connection that sends no configuration

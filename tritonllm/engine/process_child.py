@@ -53,11 +53,17 @@ REPORTER = 0  # the connection that reports the engine's metrics: the first, for
 _CLOSED = object()  # a connection's outgoing queue: send what is queued, then stop
 
 
+def lock_file(socket_path: Path) -> Path:
+    """The lock beside a child's socket: an instance holds it from connecting until the child answered it (or, first,
+    while it starts the child), and the child takes it to decide to exit."""
+    return socket_path.with_suffix(".lock")
+
+
 @contextlib.contextmanager
-def lock(path: Path, wait: bool = True) -> Iterator[bool]:
-    """An exclusive lock on `path` (created if missing), released when the context ends or its holder dies; with
-    `wait` False, the context gets False at once when another holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+def socket_lock(socket_path: Path, wait: bool = True) -> Iterator[bool]:
+    """`lock_file(socket_path)`, held exclusively (created if missing), released when the context ends or its holder
+    dies; with `wait` False, the context gets False at once when another holds it."""
+    fd = os.open(lock_file(socket_path), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -308,7 +314,7 @@ def serve(
 def _stop_listening(path: Path) -> bool:
     """Whether the socket was removed, so that no instance connects any more: not while one holds the lock, which
     it holds from connecting until this loop answered its configuration."""
-    with lock(path.with_suffix(".lock"), wait=False) as held:
+    with socket_lock(path, wait=False) as held:
         if held:
             path.unlink(missing_ok=True)
         return held

@@ -33,8 +33,8 @@ from tritonllm.engine.process_child import (
     LOAD_PERIOD,
     READY,
     SUBMIT,
-    lock,
     serve,
+    socket_lock,
 )
 from tritonllm.engine.synthetic import SyntheticConfig
 from tritonllm.errors import InputError
@@ -298,7 +298,7 @@ def test_the_engine_stays_while_an_instance_is_connecting():
     gone, does not leave meanwhile (the instance would connect to an engine on its way out)."""
     only = EngineProcess(SYNTHETIC, f"{SCOPE}:connecting")
     path = socket_path(SYNTHETIC, f"{SCOPE}:connecting")
-    with lock(path.with_suffix(".lock")):  # as an instance about to connect
+    with socket_lock(path):  # as an instance about to connect
         only.shutdown(timeout=0.5)  # the last connection: the child would leave now
         time.sleep(3 * LOAD_PERIOD)
         assert only._process.poll() is None and path.exists()
