@@ -255,10 +255,11 @@ class EngineProcess(BlockingGenerate):
                 _, emissions, self._load, relayed = self._conn.recv()
             except (EOFError, OSError):
                 break
-            for request_id, emission in emissions:
-                if not isinstance(emission, Emission):
-                    self._answered(request_id, emission)
+            for request_id, fields in emissions:
+                if isinstance(fields[0], str):
+                    self._answered(request_id, fields)
                     continue
+                emission = Emission(*fields)
                 with self._lock:
                     emit = self._emits.pop(request_id, None) if emission.final else self._emits.get(request_id)
                     admission = self._admissions.pop(request_id, None) if emission.final else None
