@@ -125,7 +125,7 @@ class EngineProcess(BlockingGenerate):
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
         self._path = socket_path(config, shared_as)
-        self._private = shared_as is None  # then its lock file is removed at shutdown
+        self._private = shared_as is None  # then its lock file is removed at shutdown, whatever became of the child
         self._process: subprocess.Popen | None = None  # the child, when this instance started it
         with socket_lock(self._path):  # the child decides to exit holding it too
             conn = _connect(self._path)
@@ -149,8 +149,7 @@ class EngineProcess(BlockingGenerate):
             code = _end_process(self._process, 30)
             if why == NOT_READY:
                 why = f"it exited with code {code} before it was ready"
-        if self._private:
-            lock_file(self._path).unlink(missing_ok=True)
+        lock_file(self._path).unlink(missing_ok=True)  # held here (socket_lock): a waiting instance takes a new one
         raise EngineProcessError(f"the engine's process failed to start: {why}")
 
     # ------------------------------------------------------------------ PortableEngine's interface
@@ -332,12 +331,14 @@ def _handshake(conn: Connection | None, config: EngineConfig | SyntheticConfig) 
 
 
 def _remove_stale_socket(path: Path) -> None:
-    """A dead child's socket, unless another instance has started a child there since (under the lock, as they
-    do): connecting tells, and removes a socket nothing listens on."""
+    """A dead child's socket and lock file, unless another instance has started a child there since (under the lock,
+    as they do): connecting tells, and removes a socket nothing listens on."""
     with socket_lock(path):
         conn = _connect(path)
         if conn is not None:
             conn.close()  # a live child's: it drops a connection that sends no configuration
+        else:
+            lock_file(path).unlink(missing_ok=True)
 
 
 def _is_engine_process(pid: int) -> bool:

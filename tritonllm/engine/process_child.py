@@ -69,17 +69,32 @@ def lock_file(socket_path: Path) -> Path:
 @contextlib.contextmanager
 def socket_lock(socket_path: Path, wait: bool = True) -> Iterator[bool]:
     """`lock_file(socket_path)`, held exclusively (created if missing), released when the context ends or its holder
-    dies; with `wait` False, the context gets False at once when another holds it."""
-    fd = os.open(lock_file(socket_path), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
+    dies; with `wait` False, the context gets False at once when another holds it. A holder may remove the file (the
+    child does, on its way out, with its socket): whoever then gets the lock of the removed file tries the path again,
+    so that two never hold locks on two files of one path."""
+    path = lock_file(socket_path)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
+            os.close(fd)
             yield False
-        else:
-            yield True
+            return
+        if _is_file_at(fd, path):
+            break
+        os.close(fd)
+    try:
+        yield True
     finally:
         os.close(fd)  # releases the lock
+
+
+def _is_file_at(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 Key = tuple[int, str]  # (connection, the instance's request id)
@@ -320,10 +335,12 @@ def serve(
 
 def _stop_listening(path: Path) -> bool:
     """Whether the socket was removed, so that no instance connects any more: not while one holds the lock, which
-    it holds from connecting until this loop answered its configuration."""
+    it holds from connecting until this loop answered its configuration. The lock's file goes too: nothing is left
+    in the folder once the last instance has left."""
     with socket_lock(path, wait=False) as held:
         if held:
             path.unlink(missing_ok=True)
+            lock_file(path).unlink(missing_ok=True)
         return held
 
 

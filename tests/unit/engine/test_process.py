@@ -43,6 +43,7 @@ from tritonllm.engine.process_child import (
     READY,
     SUBMIT,
     emission_fields,
+    lock_file,
     serve,
     socket_lock,
 )
@@ -293,7 +294,7 @@ def test_instances_sharing_one_engine():
         assert not second.reports_metrics()  # the metrics never move to another instance
         pid = second._pid
         second.shutdown()  # the last: it waits for the child to exit
-        assert not _is_engine_process(pid) and not path.exists()
+        assert not _is_engine_process(pid) and not path.exists() and not lock_file(path).exists()
         assert eventually(lambda: first._process.poll() == 0, 10)
     finally:
         first.shutdown()
@@ -306,7 +307,8 @@ def test_a_killed_shared_engine_is_started_again_by_the_next_instance():
     first = EngineProcess(SYNTHETIC, f"{SCOPE}:killed")
     os.kill(first._process.pid, signal.SIGKILL)
     assert eventually(lambda: not first.alive(), 10)
-    assert eventually(lambda: not path.exists(), 10)  # its socket, removed by the instance that started it
+    # Its socket and lock file, removed by the instance that started it.
+    assert eventually(lambda: not path.exists() and not lock_file(path).exists(), 10)
     # A socket left with nobody to remove it (the instances killed too): the next instance replaces it.
     left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     left.bind(str(path))
@@ -332,4 +334,27 @@ def test_the_engine_stays_while_an_instance_is_connecting():
         late = _connect(path)
         assert late is not None and _handshake(late, SYNTHETIC)[0] == READY
     late.close()  # now the last connection ends with nobody connecting: the child leaves
-    assert only._process.wait(10) == 0 and not path.exists()
+    assert only._process.wait(10) == 0 and not path.exists() and not lock_file(path).exists()
+
+
+def test_a_lock_removed_while_waited_for_is_taken_anew(tmp_path):
+    """The child removes the lock's file holding it; an instance that was waiting on that file must then lock the
+    path's new file, or a third could lock that one too and both start a child."""
+    path = tmp_path / "engine.sock"
+    holding, release = threading.Event(), threading.Event()
+
+    def waiter() -> None:
+        with socket_lock(path):
+            holding.set()
+            release.wait(10)
+
+    with socket_lock(path):
+        waiting = threading.Thread(target=waiter)
+        waiting.start()
+        time.sleep(0.2)  # the waiter has opened the file and waits for its lock
+        lock_file(path).unlink()
+    assert holding.wait(10)
+    with socket_lock(path, wait=False) as third:
+        assert not third  # the waiter holds the lock of the file now at the path
+    release.set()
+    waiting.join(10)
