@@ -1,8 +1,14 @@
-"""Two versions of the code through `bench-pipeline`, in alternated rounds: which is ahead, and by how much.
+"""Two versions of the code, or of the build, through `bench-pipeline`, in alternated rounds: which is ahead, and by
+how much.
 
     git worktree add ../base HEAD~1        # the code to compare against
     python -m benchmarks.pipeline_ab --base ../base --rounds 3 --out /tmp/ab --levels 512 --targets bls_grpc
     GPU_SCRIPT=benchmarks/pipeline_ab.py bash benchmarks/gpu_bench.sh --base ../base ...   # on the GPU host
+    python -m benchmarks.pipeline_ab --base-build-args="--engine-process" --levels 512 \\
+        --build-args --engine-process --engine-instances 4   # this checkout, two builds
+
+Without --base, both sides run this checkout; --base-build-args gives the base side its own build options in place
+of those after --build-args (with `=`: its value starts with a dash).
 
 Each round runs each checkout's own benchmarks/pipeline.py once (its own build and server), the order alternating
 from round to round; options this script does not know go to pipeline.py as they are. A run's working directory is
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +64,14 @@ def report(this: list[dict], base: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", type=Path, required=True, help="the checkout to compare this one against")
+    parser.add_argument(
+        "--base", type=Path, default=HERE, help="the checkout to compare this one against (default: this)"
+    )
+    parser.add_argument(
+        "--base-build-args",
+        metavar="ARGS",
+        help="the base side's build options, in place of --build-args's (one string: --base-build-args=\"...\")",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each running both checkouts once")
     parser.add_argument("--out", type=Path, default=Path("build/bench-ab"))
     parser.add_argument("--tokenizer-dir", type=Path, help="passed on to pipeline.py, made absolute")
@@ -71,13 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     options = ["--build-dir", str(args.build_dir.resolve()), *options]
     if args.tokenizer_dir is not None:
         options = ["--tokenizer-dir", str(args.tokenizer_dir.resolve()), *options]
+    sides = {"this": (HERE, options), "base": (base, options)}
+    if args.base_build_args is not None:
+        common = options[: options.index("--build-args")] if "--build-args" in options else options
+        sides["base"] = (base, [*common, "--build-args", *shlex.split(args.base_build_args)])
+    elif base == HERE:
+        parser.error("give --base, --base-build-args or both: otherwise both sides are the same")
     out = args.out.resolve()
     results: dict[str, list[dict]] = {"this": [], "base": []}
     for round_ in range(args.rounds):
         order = ["this", "base"] if round_ % 2 == 0 else ["base", "this"]
         for side in order:
-            checkout = HERE if side == "this" else base
-            results[side].append(run(checkout, out / f"{round_}-{side}", options))
+            checkout, side_options = sides[side]
+            results[side].append(run(checkout, out / f"{round_}-{side}", side_options))
     text = report(results["this"], results["base"])
     (out / "ab.md").write_text(text)
     print(text)

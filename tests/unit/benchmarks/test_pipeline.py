@@ -89,3 +89,28 @@ def test_each_run_starts_from_its_checkout_in_alternated_order(tmp_path, monkeyp
         "| engine_stream | 512 | 110 (110.0) | 100 (100.0) | 1.100 | 1.100 to 1.100 | ahead |"
         in (out / "ab.md").read_text()
     )
+
+
+def test_two_builds_of_this_checkout(tmp_path, monkeypatch):
+    this = tmp_path / "this"
+    (this / "benchmarks").mkdir(parents=True)
+    (this / "benchmarks" / "pipeline.py").write_text(STUB_PIPELINE.replace("RATE", "100"))
+    monkeypatch.setattr(pipeline_ab, "HERE", this)
+    out = tmp_path / "out"
+    argv = ["--rounds", "2", "--out", str(out), "--base-build-args=--engine-process --engine-instances 1"]
+    assert (
+        pipeline_ab.main([*argv, "--levels", "512", "--build-args", "--engine-process", "--engine-instances", "4"]) == 0
+    )
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert {Path(run["cwd"]).name for run in runs} == {"this"}
+    builds = [run["argv"][run["argv"].index("--build-args") + 1 :] for run in runs]
+    assert builds == [["--engine-process", "--engine-instances", n] for n in ("4", "1", "1", "4")]
+    assert all(run["argv"][run["argv"].index("--levels") + 1] == "512" for run in runs)
+
+
+def test_a_comparison_of_nothing_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline_ab, "HERE", tmp_path)
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "pipeline.py").write_text("")
+    with pytest.raises(SystemExit):
+        pipeline_ab.main(["--levels", "512"])
