@@ -62,6 +62,18 @@ def report(this: list[dict], base: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _same_build(one: list[str], other: list[str]) -> bool:
+    """Whether two runs' options build the same (an empty --build-args is none)."""
+
+    def build_args(options: list[str]) -> list[str]:
+        return options[options.index("--build-args") + 1 :] if "--build-args" in options else []
+
+    def rest(options: list[str]) -> list[str]:
+        return options[: options.index("--build-args")] if "--build-args" in options else options
+
+    return build_args(one) == build_args(other) and rest(one) == rest(other)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -89,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_build_args is not None:
         common = options[: options.index("--build-args")] if "--build-args" in options else options
         sides["base"] = (base, [*common, "--build-args", *shlex.split(args.base_build_args)])
-    elif base == HERE:
-        parser.error("give --base, --base-build-args or both: otherwise both sides are the same")
+    if _same_build(sides["this"][1], sides["base"][1]) and base == HERE:
+        parser.error("both sides are this checkout with the same build: give --base, or --base-build-args that differ")
     out = args.out.resolve()
     results: dict[str, list[dict]] = {"this": [], "base": []}
     for round_ in range(args.rounds):

@@ -16,9 +16,9 @@ folder only this user may enter, and the first instance to find no child there s
 beside the socket that the others wait on. The child ends when its last connection does: when the instances
 stop, or die, the sockets close and the child exits, so no orphan keeps the GPU's memory.
 
-Requests, emissions and their generation controls travel pickled. The stub refuses what the child's engine
-would, by the engine's `SubmitRules`, which the child reports when it is ready; a guide only the child can
-compile, so `submit` waits for the child's answer to a guided request.
+Requests and their generation controls travel pickled, emissions as tuples of their fields. The stub refuses
+what the child's engine would, by the engine's `SubmitRules`, which the child reports when it is ready; a
+guide only the child can compile, so `submit` waits for the child's answer to a guided request.
 """
 
 from __future__ import annotations
@@ -125,7 +125,6 @@ class EngineProcess(BlockingGenerate):
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
         self._path = socket_path(config, shared_as)
-        self._private = shared_as is None  # then its lock file is removed at shutdown, whatever became of the child
         self._process: subprocess.Popen | None = None  # the child, when this instance started it
         with socket_lock(self._path):  # the child decides to exit holding it too
             conn = _connect(self._path)
@@ -220,8 +219,6 @@ class EngineProcess(BlockingGenerate):
             self._await_exit(timeout)
         elif self._process is not None:
             self._process.poll()  # it serves other instances on; reaped here if it is already gone
-        if self._private:
-            lock_file(self._path).unlink(missing_ok=True)
 
     def _await_exit(self, timeout: float) -> None:
         """The child, its last connection gone, removes its socket and stops its engine. One still listening serves

@@ -77,12 +77,15 @@ def socket_lock(socket_path: Path, wait: bool = True) -> Iterator[bool]:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            if _is_file_at(fd, path):
+                break
         except BlockingIOError:
             os.close(fd)
             yield False
             return
-        if _is_file_at(fd, path):
-            break
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
     try:
         yield True
@@ -338,7 +341,7 @@ def _stop_listening(path: Path) -> bool:
     it holds from connecting until this loop answered its configuration. The lock's file goes too: nothing is left
     in the folder once the last instance has left."""
     with socket_lock(path, wait=False) as held:
-        if held:
+        if held:  # the socket first: once the lock's file is gone, a newcomer can lock a new one and connect
             path.unlink(missing_ok=True)
             lock_file(path).unlink(missing_ok=True)
         return held

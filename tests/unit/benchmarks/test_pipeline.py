@@ -108,9 +108,18 @@ def test_two_builds_of_this_checkout(tmp_path, monkeypatch):
     assert all(run["argv"][run["argv"].index("--levels") + 1] == "512" for run in runs)
 
 
-def test_a_comparison_of_nothing_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--levels", "512"],
+        ["--base-build-args=--engine-process", "--build-args", "--engine-process"],
+        ["--base-build-args="],
+    ],
+)
+def test_a_comparison_of_one_build_with_itself_is_refused(tmp_path, monkeypatch, capsys, argv):
     monkeypatch.setattr(pipeline_ab, "HERE", tmp_path)
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "pipeline.py").write_text("")
-    with pytest.raises(SystemExit):
-        pipeline_ab.main(["--levels", "512"])
+    with pytest.raises(SystemExit) as exit_:
+        pipeline_ab.main(["--out", str(tmp_path / "out"), *argv])
+    assert exit_.value.code == 2 and "same build" in capsys.readouterr().err

@@ -337,6 +337,11 @@ def test_the_engine_stays_while_an_instance_is_connecting():
     assert only._process.wait(10) == 0 and not path.exists() and not lock_file(path).exists()
 
 
+def blocked_on(inode: int) -> bool:
+    """Whether a flock on the file of `inode` is waited for (Linux's /proc/locks: "-> FLOCK ... MAJ:MIN:INODE")."""
+    return any("->" in line and line.split()[-3].endswith(f":{inode}") for line in open("/proc/locks"))
+
+
 def test_a_lock_removed_while_waited_for_is_taken_anew(tmp_path):
     """The child removes the lock's file holding it; an instance that was waiting on that file must then lock the
     path's new file, or a third could lock that one too and both start a child."""
@@ -351,7 +356,8 @@ def test_a_lock_removed_while_waited_for_is_taken_anew(tmp_path):
     with socket_lock(path):
         waiting = threading.Thread(target=waiter)
         waiting.start()
-        time.sleep(0.2)  # the waiter has opened the file and waits for its lock
+        inode = os.stat(lock_file(path)).st_ino
+        assert eventually(lambda: blocked_on(inode), 10)  # the waiter has opened the file and waits for its lock
         lock_file(path).unlink()
     assert holding.wait(10)
     with socket_lock(path, wait=False) as third:
