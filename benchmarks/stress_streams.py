@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: `benchmarks` is not installed
 from benchmarks.gpu_bench import served, stall_report  # the GPU bench's load and its stall report
 from benchmarks.loadgen import load_prompts
 from tritonllm.launch.tritonserver import TritonServer

@@ -232,7 +232,8 @@ class EngineConfig:
     engine_instances: int = option(
         1,
         "with the engine in a process of its own, instances of the engine model, each sending its own requests' "
-        "responses with its own interpreter lock from the one engine they share; 0: as many as the text models",
+        "responses with its own interpreter lock from the one engine they share; 0: as many as the text models. "
+        "More than one makes a deadlock of tensorrt_llm_bls under load likely (docs/troubleshooting.md)",
         limits=(0, 64),
     )
     prefix_cache: bool = option(
