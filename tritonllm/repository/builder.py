@@ -40,12 +40,12 @@ from tritonllm.text.tokenizer import resolved_class
 
 # tritonserver 2.51's Python backend (and its upstream stub code) can deadlock a BLS caller streaming from a model:
 # ResponseIterator::Next takes the GIL holding its iterator's lock, the stub's response thread takes that lock
-# holding the iterators' map lock, and `exec` takes the map lock holding the GIL. Reproduced within six rounds of
-# benchmarks/stress_streams.py with two engine-model instances, every time; not in 45 rounds with one.
+# holding the iterators' map lock, and `exec` takes the map lock holding the GIL. With two engine-model instances,
+# benchmarks/stress_streams.py's load stalled within six rounds in six runs of seven; with one, not in 60 rounds.
 ENGINE_INSTANCES_WARNING = (
     "build_engines.py: warning: {} engine-model instances: under load tensorrt_llm_bls can stall for good, a deadlock "
-    "in tritonserver 2.51's Python backend that two instances make likely (docs/troubleshooting.md); the ensemble, "
-    "the OpenAI layer and the engine model itself do not use it"
+    "in tritonserver 2.51's Python backend that two instances make likely (docs/troubleshooting.md); the engine "
+    "model itself and the OpenAI layer's direct path do not go through BLS"
 )
 
 
