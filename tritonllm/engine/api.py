@@ -233,7 +233,8 @@ class EngineConfig:
         1,
         "with the engine in a process of its own, instances of the engine model, each sending its own requests' "
         "responses with its own interpreter lock from the one engine they share; 0: as many as the text models. "
-        "More than one makes a deadlock of tensorrt_llm_bls under load likely (docs/troubleshooting.md)",
+        "More than one makes a deadlock of the engine's callers through BLS (tensorrt_llm_bls, the ensemble's bridge) "
+        "under load likely (docs/troubleshooting.md)",
         limits=(0, 64),
     )
     prefix_cache: bool = option(

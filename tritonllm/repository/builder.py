@@ -38,14 +38,15 @@ from tritonllm.repository.plan import (
 from tritonllm.repository.render import RepositoryError, templates_digest, write_repository
 from tritonllm.text.tokenizer import resolved_class
 
-# tritonserver 2.51's Python backend (and its upstream stub code) can deadlock a BLS caller streaming from a model:
+# tritonserver 2.51's Python backend (and its upstream stub code) can deadlock a BLS caller of a decoupled model:
 # ResponseIterator::Next takes the GIL holding its iterator's lock, the stub's response thread takes that lock
 # holding the iterators' map lock, and `exec` takes the map lock holding the GIL. With two engine-model instances,
-# benchmarks/stress_streams.py's load stalled within six rounds in six runs of seven; with one, not in 60 rounds.
+# benchmarks/stress_streams.py's load stalled within six rounds in six runs of seven, and ensemble's (its bridge) at
+# 1,024 streams in its tenth round; with one, neither in 60 and 15 rounds.
 ENGINE_INSTANCES_WARNING = (
-    "build_engines.py: warning: {} engine-model instances: under load tensorrt_llm_bls can stall for good, a deadlock "
-    "in tritonserver 2.51's Python backend that two instances make likely (docs/troubleshooting.md); the engine "
-    "model itself and the OpenAI layer's direct path do not go through BLS"
+    "build_engines.py: warning: {} engine-model instances: under load tensorrt_llm_bls and ensemble (its bridge) can "
+    "stall for good, a deadlock in tritonserver 2.51's Python backend that two instances make likely "
+    "(docs/troubleshooting.md); the engine model itself and the OpenAI layer's direct path do not go through BLS"
 )
 
 

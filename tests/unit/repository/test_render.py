@@ -287,7 +287,7 @@ def test_engine_instances_share_an_engine_in_its_own_process(manifest, argv, exp
 def test_several_engine_instances_are_built_with_the_bls_deadlock_said(manifest, tmp_path, capsys, instances):
     argv = ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(tmp_path / "build")]
     assert main([*argv, "--engine-process", "--engine-instances", str(instances)]) == 0
-    said = "warning: 2 engine-model instances: under load tensorrt_llm_bls can stall" in capsys.readouterr().err
+    said = "warning: 2 engine-model instances: under load tensorrt_llm_bls and ensemble" in capsys.readouterr().err
     assert said == (instances > 1)
 
 
