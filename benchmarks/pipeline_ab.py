@@ -62,16 +62,12 @@ def report(this: list[dict], base: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _same_build(one: list[str], other: list[str]) -> bool:
-    """Whether two runs' options build the same (an empty --build-args is none)."""
-
-    def build_args(options: list[str]) -> list[str]:
-        return options[options.index("--build-args") + 1 :] if "--build-args" in options else []
-
-    def rest(options: list[str]) -> list[str]:
-        return options[: options.index("--build-args")] if "--build-args" in options else options
-
-    return build_args(one) == build_args(other) and rest(one) == rest(other)
+def split_build_args(options: list[str]) -> tuple[list[str], list[str]]:
+    """pipeline.py's options before --build-args, and the build options after it (none without it)."""
+    if "--build-args" not in options:
+        return options, []
+    at = options.index("--build-args")
+    return options[:at], options[at + 1 :]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         options = ["--tokenizer-dir", str(args.tokenizer_dir.resolve()), *options]
     sides = {"this": (HERE, options), "base": (base, options)}
     if args.base_build_args is not None:
-        common = options[: options.index("--build-args")] if "--build-args" in options else options
+        common, _ = split_build_args(options)
         sides["base"] = (base, [*common, "--build-args", *shlex.split(args.base_build_args)])
-    if _same_build(sides["this"][1], sides["base"][1]) and base == HERE:
+    if split_build_args(sides["this"][1]) == split_build_args(sides["base"][1]) and base == HERE:
         parser.error("both sides are this checkout with the same build: give --base, or --base-build-args that differ")
     out = args.out.resolve()
     results: dict[str, list[dict]] = {"this": [], "base": []}

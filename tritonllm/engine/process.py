@@ -55,6 +55,7 @@ from tritonllm.engine.process_child import (
     STOP,
     SUBMIT,
     lock_file,
+    remove_socket,
     socket_lock,
 )
 from tritonllm.engine.synthetic import SyntheticConfig
@@ -335,7 +336,7 @@ def _remove_stale_socket(path: Path) -> None:
         if conn is not None:
             conn.close()  # a live child's: it drops a connection that sends no configuration
         else:
-            lock_file(path).unlink(missing_ok=True)
+            remove_socket(path)
 
 
 def _is_engine_process(pid: int) -> bool:

@@ -100,6 +100,13 @@ def _is_file_at(fd: int, path: Path) -> bool:
         return False
 
 
+def remove_socket(socket_path: Path) -> None:
+    """A child's socket and its lock file, by the lock's holder. The socket first: once the lock's file is gone, a
+    newcomer can lock a new one and would connect to the socket if it were still there."""
+    socket_path.unlink(missing_ok=True)
+    lock_file(socket_path).unlink(missing_ok=True)
+
+
 Key = tuple[int, str]  # (connection, the instance's request id)
 
 
@@ -341,9 +348,8 @@ def _stop_listening(path: Path) -> bool:
     it holds from connecting until this loop answered its configuration. The lock's file goes too: nothing is left
     in the folder once the last instance has left."""
     with socket_lock(path, wait=False) as held:
-        if held:  # the socket first: once the lock's file is gone, a newcomer can lock a new one and connect
-            path.unlink(missing_ok=True)
-            lock_file(path).unlink(missing_ok=True)
+        if held:
+            remove_socket(path)
         return held
 
 
