@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import time
@@ -65,6 +66,21 @@ def test_the_layer_runs_its_workers_and_loads_no_torch(base_url, model):
     workers = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(workers) == 2, children
     assert not any(loads_torch(int(p)) for p in [pid, *workers])
+    # Each worker listens on a socket of its own (openai/workers.py), not on one the supervisor shares.
+    assert sorted(listening_sockets(pid, int(port))) == []
+    assert [len(listening_sockets(w, int(port))) for w in workers] == [1, 1]
+
+
+def listening_sockets(pid: str, port: int) -> list[str]:
+    """The socket inodes on which process `pid` listens on TCP `port` (from /proc)."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                listening.add(fields[9])
+    links = (os.readlink(f) for f in Path(f"/proc/{pid}/fd").iterdir() if f.is_symlink())
+    return [inode for link in links if (inode := link.removeprefix("socket:[").rstrip("]")) in listening]
 
 
 def test_choices_stream_from_the_engine_model_not_through_tensorrt_llm_bls(api, model, server, manifest):

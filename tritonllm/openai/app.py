@@ -9,8 +9,9 @@ template, and every generation is one gRPC stream: to the engine model with the 
 (--repository, the portable flavor), else to `tensorrt_llm_bls` (a client that disconnects cancels its stream,
 which frees its place in the engine). No model is loaded here.
 
-It runs as --workers processes on one port (uvicorn's workers: the port's connections are spread over them), since
-one Python process tops out at about a core's worth of streamed tokens (docs/performance.md). A worker holds no state
+It runs as --workers processes on one port (uvicorn's workers, each listening on a socket of its own, so that the
+kernel spreads connections evenly: workers.py), since one Python process tops out at about a core's worth of
+streamed tokens (docs/performance.md). A worker holds no state
 another needs: every request's state lives in Triton, and a busy server answers 429 from its own queue.
 """
 
@@ -36,6 +37,7 @@ from tritonllm.openai import routes
 from tritonllm.openai.chat_models import ChatRequest
 from tritonllm.openai.generation import Generator
 from tritonllm.openai.models import APIError, CompletionRequest, Settings
+from tritonllm.openai.workers import default_workers, supervise_workers
 from tritonllm.protocol import OPENAI_PORT, PORTS
 
 
@@ -115,15 +117,6 @@ def create_app(settings: Settings, generator: Generator | None = None) -> FastAP
 
 
 SETTINGS_VARIABLE = "TRITONLLM_OPENAI_SETTINGS"  # the settings, as JSON, for the worker processes uvicorn starts
-
-
-def default_workers(cores: int) -> int:
-    """One worker per four cores, at most eight: the rule of the text models' instances (repository/plan.py), but
-    from one, since the engine and Triton need the cores of a small host more."""
-    return max(1, min(8, cores // 4))
-
-
-APP_FACTORY = "tritonllm.openai.app:app_from_environment"  # each worker's app, made in the worker
 
 
 def app_or_exit(settings: Settings) -> FastAPI:
@@ -220,19 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn starts each worker from an import string; this process only supervises them
     os.environ[SETTINGS_VARIABLE] = json.dumps(dataclasses.asdict(settings))
     return supervise_workers(args.workers, args.host, args.port)
-
-
-def supervise_workers(workers: int, host: str, port: int) -> int:
-    """Runs `workers` processes on one port under uvicorn's supervisor, until it stops them. Its exit code:
-    uvicorn's startup-failure code when a worker could not start (uvicorn then stops them all, and returns as from
-    a clean stop, so a launcher would take the failure for a normal end), else 0."""
-    from uvicorn import Config
-    from uvicorn.supervisors import Multiprocess
-
-    config = Config(APP_FACTORY, factory=True, workers=workers, host=host, port=port, log_level="warning")
-    supervisor = Multiprocess(config, sockets=[config.bind_socket()])
-    supervisor.run()
-    return STARTUP_FAILURE if any(p.exitcode == STARTUP_FAILURE for p in supervisor.processes) else 0
 
 
 if __name__ == "__main__":
