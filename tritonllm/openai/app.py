@@ -9,8 +9,8 @@ template, and every generation is one gRPC stream: to the engine model with the 
 (--repository, the portable flavor), else to `tensorrt_llm_bls` (a client that disconnects cancels its stream,
 which frees its place in the engine). No model is loaded here.
 
-It runs as --workers processes on one port (uvicorn's workers, each listening on a socket of its own, so that the
-kernel spreads connections evenly: workers.py), since one Python process tops out at about a core's worth of
+It runs as --workers processes on one port (uvicorn's workers, each listening on a socket of its own, among which
+the kernel spreads connections by address: workers.py), since one Python process tops out at about a core's worth of
 streamed tokens (docs/performance.md). A worker holds no state
 another needs: every request's state lives in Triton, and a busy server answers 429 from its own queue.
 """
@@ -37,7 +37,7 @@ from tritonllm.openai import routes
 from tritonllm.openai.chat_models import ChatRequest
 from tritonllm.openai.generation import Generator
 from tritonllm.openai.models import APIError, CompletionRequest, Settings
-from tritonllm.openai.workers import default_workers, supervise_workers
+from tritonllm.openai.workers import default_workers, port_free, supervise_workers
 from tritonllm.protocol import OPENAI_PORT, PORTS
 
 
@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         repository=args.repository,
     )
     if args.workers == 1:
+        if not port_free(args.host, args.port):  # the exit code of several workers', not uvicorn's 1
+            return STARTUP_FAILURE
         uvicorn.run(app_or_exit(settings), host=args.host, port=args.port, log_level="warning")
         return 0
     # uvicorn starts each worker from an import string; this process only supervises them

@@ -3,9 +3,13 @@ own.
 
 uvicorn binds one socket in its supervisor and hands it to every worker. Each worker's event loop then accepts as
 many waiting connections as it can at once, so a burst of new connections goes to whichever worker wakes first, and
-each keeps its connections: on the H200 host's 16 cores, eight workers under 512 streams ran between 0.16 and 0.97
-of a core each, the busiest bounding the layer (docs/performance.md). Here every worker binds its own socket with
-`SO_REUSEPORT`, and the kernel spreads new connections over the workers' sockets by their addresses.
+each keeps its connections: under many streams some workers run full while others idle (docs/performance.md,
+"Several engine-model instances"). Here every worker binds its own socket with `SO_REUSEPORT`, and the kernel
+spreads new connections over the workers' sockets by a hash of their addresses.
+
+The cost: a worker's waiting connections are its own, so a worker that exits (a crash, a restart on SIGHUP) resets
+the connections queued for it that it has not accepted; Linux 5.14 and later hand them to another worker with
+`net.ipv4.tcp_migrate_req=1`.
 """
 
 from __future__ import annotations
@@ -24,53 +28,65 @@ def default_workers(cores: int) -> int:
     return max(1, min(8, cores // 4))
 
 
-def _socket(host: str, reuse_port: bool) -> socket.socket:
+def _bound(host: str, port: int, reuse_addr: bool, reuse_port: bool) -> socket.socket | None:
+    """A socket bound to the address, or None (said on stderr) when it cannot be."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)  # uvicorn's rule for the family
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    return sock
-
-
-def worker_sockets(host: str, port: int) -> list[socket.socket]:
-    """A worker's own socket on the port, bound with SO_REUSEPORT; the worker's server listens on it. A port that
-    cannot be bound ends the worker with uvicorn's startup-failure code, which stops the supervisor too (any other
-    exit and it starts the worker again, and again)."""
-    sock = _socket(host, reuse_port=True)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse_addr))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(reuse_port))
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        print(f"tritonllm.openai: cannot bind {host}:{port}: {exc}", file=sys.stderr)
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        print(f"tritonllm.openai: cannot bind {where}: {exc}", file=sys.stderr)
+        return None
+    return sock
+
+
+def bind_worker_sockets(host: str, port: int) -> list[socket.socket]:
+    """A worker's own socket on the port, bound with SO_REUSEPORT (and SO_REUSEADDR, so that the connections its
+    predecessors closed do not hold the port); the worker's server listens on it once its app is loaded. A port that
+    cannot be bound ends the worker with uvicorn's startup-failure code: a worker the supervisor keeps alive then
+    stops it, where any other exit would have it started again, and again."""
+    sock = _bound(host, port, reuse_addr=True, reuse_port=True)
+    if sock is None:
         sys.exit(STARTUP_FAILURE)
     return [sock]
 
 
 class WorkerSockets(list):
     """What uvicorn's supervisor hands each worker as its sockets: empty here, and rebuilt in each worker (where the
-    supervisor's spawned process unpickles it) as `worker_sockets`, a socket of that worker's own."""
+    supervisor's spawned process unpickles it) by `bind_worker_sockets`, as a socket of that worker's own."""
 
     def __init__(self, host: str, port: int) -> None:
         super().__init__()
         self.address = (host, port)
 
     def __reduce__(self):
-        return worker_sockets, self.address
+        return bind_worker_sockets, self.address
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether no other socket listens on the port (said on stderr when one does): bound without SO_REUSEPORT, so a
+    listener with it or without it is found."""
+    probe = _bound(host, port, reuse_addr=True, reuse_port=False)
+    if probe is not None:
+        probe.close()
+    return probe is not None
 
 
 def reserve_port(host: str, port: int) -> socket.socket | None:
-    """A socket that holds the port for the workers, or None when it is taken. First bound without SO_REUSEPORT,
-    so that a port another server listens on, with SO_REUSEPORT or not, is refused here and not shared; then bound
-    again with it and never listened on: it keeps the port while no worker holds it, and takes no connections."""
-    with _socket(host, reuse_port=False) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            print(f"tritonllm.openai: cannot bind {host}:{port}: {exc}", file=sys.stderr)
-            return None
-    reserved = _socket(host, reuse_port=True)
-    reserved.bind((host, port))
-    return reserved
+    """A socket that holds the port for the workers, or None when it is taken. The port is first bound without
+    SO_REUSEPORT (as `port_free` does), so that one another server listens on is refused here and not shared; then
+    with SO_REUSEPORT alone, never listened on, so it takes no connections. It keeps the port from every other socket
+    but a later SO_REUSEPORT one of the same user; without SO_REUSEADDR it fails the check of another layer starting
+    on the port, which a socket that does not listen yet would pass."""
+    probe = _bound(host, port, reuse_addr=True, reuse_port=False)
+    if probe is None:
+        return None
+    with probe:
+        port = probe.getsockname()[1]  # port 0: the system's choice, then the same port for every worker
+    return _bound(host, port, reuse_addr=False, reuse_port=True)
 
 
 def supervise_workers(workers: int, host: str, port: int) -> int:
@@ -84,6 +100,7 @@ def supervise_workers(workers: int, host: str, port: int) -> int:
     if reserved is None:
         return STARTUP_FAILURE
     with reserved:
+        port = reserved.getsockname()[1]
         config = Config(APP_FACTORY, factory=True, workers=workers, host=host, port=port, log_level="warning")
         supervisor = Multiprocess(config, sockets=WorkerSockets(host, port))
         supervisor.run()
