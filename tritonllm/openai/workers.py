@@ -14,6 +14,7 @@ the connections queued for it that it has not accepted; Linux 5.14 and later han
 
 from __future__ import annotations
 
+import errno
 import socket
 import sys
 
@@ -38,7 +39,10 @@ def _bound(host: str, port: int, reuse_addr: bool, reuse_port: bool) -> socket.s
     except OSError as exc:
         sock.close()
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        print(f"tritonllm.openai: cannot bind {where}: {exc}", file=sys.stderr)
+        hint = (
+            " (another server listens there: stop it, or give another --port)" if exc.errno == errno.EADDRINUSE else ""
+        )
+        print(f"tritonllm.openai: cannot bind {where}: {exc}{hint}", file=sys.stderr)
         return None
     return sock
 
