@@ -6,6 +6,7 @@ names from here and nowhere else, so the wire format is defined once.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +30,30 @@ def engine_model(decoupled_mode: bool) -> str:
 
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}  # Triton's defaults
 OPENAI_PORT = 9000
+
+
+def bound_socket(host: str, port: int, reuse_addr: bool = True, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to host:port, not listening (IPv6 where the host has a colon, uvicorn's rule); OSError where
+    it cannot be bound. SO_REUSEADDR by default, as servers bind: connections left in TIME_WAIT do not hold the port."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse_addr))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(reuse_port))
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server could not listen on host:port (another listens there, mostly)."""
+    try:
+        bound_socket(host, port).close()
+    except OSError:
+        return True
+    return False
+
 
 # Why a sequence ended, as the ensemble's `finish_reason` output and the engine's emissions say it.
 FINISH_EOS = "eos"  # the model produced the end id

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tritonllm.launch.pytriton_wheel import ServerError, prepare_backends, pytriton_root, server_env
 from tritonllm.launch.server_command import build_options, server_command
-from tritonllm.protocol import ENGINE_MODEL, infer_inputs, stop_request_tensors
+from tritonllm.protocol import ENGINE_MODEL, infer_inputs, port_in_use, stop_request_tensors
 
 
 def metric_samples(text: str, prefix: str = "tritonllm_") -> dict[str, float]:
@@ -190,18 +190,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-
-
-def port_in_use(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 @dataclass

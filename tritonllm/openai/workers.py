@@ -20,6 +20,8 @@ import sys
 
 from uvicorn.config import STARTUP_FAILURE
 
+from tritonllm.protocol import bound_socket
+
 APP_FACTORY = "tritonllm.openai.app:app_from_environment"  # each worker's app, made in the worker
 
 
@@ -30,21 +32,16 @@ def default_workers(cores: int) -> int:
 
 
 def _bound(host: str, port: int, reuse_addr: bool, reuse_port: bool) -> socket.socket | None:
-    """A socket bound to the address, or None (said on stderr) when it cannot be."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)  # uvicorn's rule for the family
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse_addr))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(reuse_port))
+    """`bound_socket`, or None (said on stderr) when it cannot be bound."""
     try:
-        sock.bind((host, port))
+        return bound_socket(host, port, reuse_addr, reuse_port)
     except OSError as exc:
-        sock.close()
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         hint = (
             " (another server listens there: stop it, or give another --port)" if exc.errno == errno.EADDRINUSE else ""
         )
         print(f"tritonllm.openai: cannot bind {where}: {exc}{hint}", file=sys.stderr)
         return None
-    return sock
 
 
 def bind_worker_sockets(host: str, port: int) -> list[socket.socket]:

@@ -40,9 +40,8 @@ from tritonllm.text.tokenizer import resolved_class
 
 # tritonserver 2.51's Python backend (and its upstream stub code) can deadlock a BLS caller of a decoupled model:
 # ResponseIterator::Next takes the GIL holding its iterator's lock, the stub's response thread takes that lock
-# holding the iterators' map lock, and `exec` takes the map lock holding the GIL. With two engine-model instances,
-# benchmarks/stress_streams.py's load stalled within six rounds in six runs of seven, and ensemble's (its bridge) at
-# 1,024 streams in its tenth round; with one, neither in 60 and 15 rounds.
+# holding the iterators' map lock, and `exec` takes the map lock holding the GIL. Several engine-model instances make
+# it likely under load (docs/performance.md, "Several engine-model instances").
 ENGINE_INSTANCES_WARNING = (
     "build_engines.py: warning: {} engine-model instances: under load tensorrt_llm_bls and ensemble (its bridge) can "
     "stall for good, a deadlock in tritonserver 2.51's Python backend that two instances make likely "
