@@ -178,6 +178,7 @@ class EngineModel:
         self._guided = ThreadPoolExecutor(GUIDED_SUBMITTERS, thread_name_prefix="tensorrt_llm-guided")
         self._compiling = 0  # rows of guided requests not yet handed to the engine (admission counts them)
         self._compiling_lock = threading.Lock()
+        self._unloading = False  # set by finalize: guided calls still queued are refused, not dropped
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -226,6 +227,8 @@ class EngineModel:
         """Hands a call's generations to the engine; on a guided submitter thread for a guided call."""
         try:
             for generation in call.generations:
+                if guided and self._unloading:  # queued behind the submitters: it is owed a final response
+                    raise EngineFailure("the model is being unloaded: the request was not started")
                 generation.submitted = time.perf_counter()
                 generation.engine_id = self.engine.submit(
                     generation.request, lambda e, g=generation: self._on_emission(g, e)
@@ -383,7 +386,10 @@ class EngineModel:
                 self._cancel(call)
 
     def finalize(self) -> None:
-        self._guided.shutdown(cancel_futures=True)
+        # Every call is answered: guided ones still queued are refused by the submitters, and the engine's shutdown
+        # fails those it holds (a guided one compiling included), their errors sent by the outbox before it stops.
+        self._unloading = True
+        self._guided.shutdown(wait=True)
         self.engine.shutdown()
         self._outbox.close()
         # The model is in reference cycles (its sender thread holds its bound methods), so without this its

@@ -113,7 +113,11 @@ class FakeEngine:
         return [0] * request.max_new_tokens, FINISH_LENGTH
 
     def shutdown(self) -> None:
+        """As the engines' own: the requests it holds fail."""
         self.is_alive = False
+        while self.taken:
+            _, emit = self.taken.pop(next(iter(self.taken)))
+            emit(Emission([], FINISH_ERROR, error="the engine is shutting down"))
 
 
 class InlineOutbox:
@@ -124,6 +128,9 @@ class InlineOutbox:
 
     def put(self, call, emission: Emission) -> None:
         self.send(call, emission)
+
+    def close(self) -> None:
+        pass  # nothing queued: each emission was sent at once
 
 
 @pytest.fixture
@@ -146,6 +153,7 @@ def model(pb_utils):
     model._guided = ThreadPoolExecutor(engine_model.GUIDED_SUBMITTERS)
     model._compiling = 0
     model._compiling_lock = threading.Lock()
+    model._unloading = False
     yield model
     model._guided.shutdown()
 
@@ -717,3 +725,27 @@ def test_a_guided_request_the_engine_refuses_fails_alone(model, pb_utils):
     model._guided.shutdown()
     [(response, flags)] = refused.sender.sent
     assert flags == FINAL and "refused this one" in response.error().message() and model._compiling == 0
+
+
+def test_guided_calls_queued_at_unload_each_get_a_final_error(model, pb_utils, monkeypatch):
+    """Unloaded while grammars compile: the calls queued behind the submitters are refused, those that reached the
+    engine fail with its shutdown; none is left without its final response."""
+    from tritonllm.backend import engine_model
+
+    model.engine.compiled.clear()
+    calls = [request(pb_utils, [1, 2], **GUIDED) for _ in range(engine_model.GUIDED_SUBMITTERS + 2)]
+    model.execute(calls)
+    shutdown = model._guided.shutdown
+
+    def shutdown_then_compile(wait: bool = True, *, cancel_futures: bool = False) -> None:
+        shutdown(wait=False, cancel_futures=cancel_futures)  # at least two calls are still queued
+        model.engine.compiled.set()  # the grammars compiling meanwhile are ready
+        shutdown(wait=wait)
+
+    monkeypatch.setattr(model._guided, "shutdown", shutdown_then_compile)
+    model.finalize()
+    assert [finals(pb_utils, call.sender) for call in calls] == [1] * len(calls)
+    assert all(len(call.sender.sent) == 1 and call.sender.errors() for call in calls)
+    messages = [call.sender.errors()[0].message() for call in calls]
+    assert sum("the model is being unloaded" in message for message in messages) >= 2
+    assert model._live == {} and model._compiling == 0
