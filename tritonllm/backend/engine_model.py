@@ -323,14 +323,19 @@ class EngineModel:
         if emission.final:
             call.open -= 1
         final = call.open == 0
-        if final:
+        try:  # built before the call closes: a failure still has the call to end
+            outputs = self._outputs(generation, emission)
+            tensors = None if outputs is None else to_tensors(outputs, call.wanted)
+            if final:
+                self._close(call)
+            if tensors is None:
+                call.sender.send(flags=FINAL)
+            else:
+                call.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+        except Exception as exc:  # the call ends with the error: without a final response its client would hang
             self._close(call)
-        outputs = self._outputs(generation, emission)
-        if outputs is None:
-            call.sender.send(flags=FINAL)
-        else:
-            response = pb_utils.InferenceResponse(output_tensors=to_tensors(outputs, call.wanted))
-            call.sender.send(response, flags=FINAL if final else 0)
+            self._finished.put(error_label(error_kind(exc)))
+            call.sender.send(error_response(exc), flags=FINAL)
 
     def _outputs(self, generation: _Generation, emission: Emission) -> dict | None:
         """A response's tensors: the generation's tokens (with the prompt, when asked, in a whole answer), and the

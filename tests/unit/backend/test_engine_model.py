@@ -749,3 +749,50 @@ def test_guided_calls_queued_at_unload_each_get_a_final_error(model, pb_utils, m
     messages = [call.sender.errors()[0].message() for call in calls]
     assert sum("the model is being unloaded" in message for message in messages) >= 2
     assert model._live == {} and model._compiling == 0
+
+
+def test_a_final_response_that_fails_to_build_ends_its_call_with_an_error(started, pb_utils, monkeypatch):
+    """The outbox only logs what its sender raises: the client would wait for a final response forever. The other
+    calls go on."""
+    from tritonllm.backend import engine_model
+
+    broken, other = request(pb_utils, [1, 2], **STREAMING), request(pb_utils, [3, 4], **STREAMING)
+    started.execute([broken, other])
+    pack = engine_model.pack_outputs
+
+    def pack_but_not_six(tokens: list, *args, **kwargs) -> dict:
+        if 6 in tokens[0]:  # the final emission's, joined to the one before or not
+            raise ValueError("a bug packing outputs")
+        return pack(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(engine_model, "pack_outputs", pack_but_not_six)
+    started.engine.emit("e0", Emission([5]))
+    started.engine.emit("e0", Emission([6], FINISH_LENGTH))
+    started.engine.emit("e1", Emission([7], FINISH_LENGTH))
+    assert eventually(lambda: broken.sender.closed and other.sender.closed)
+    assert finals(pb_utils, broken.sender) == 1 and broken.sender.sent[-1][1] == FINAL
+    [error] = broken.sender.errors()
+    assert error.code() == pb_utils.TritonError.INTERNAL and "a bug packing outputs" in error.message()
+    assert any("a bug packing outputs" in logged for logged in pb_utils.Logger.errors()), "a bug: its traceback"
+    [(response, flags)] = other.sender.sent
+    assert flags == FINAL and output_ids(pb_utils, response) == [[[7]]]
+    assert started._live == {}
+
+
+def test_a_response_that_fails_to_send_ends_its_call_and_its_generations(model, pb_utils):
+    """A stream's tokens the stub could not send: the stream ends there, with the error, and the engine stops."""
+    stream = request(pb_utils, [1, 2], **STREAMING)
+    model.execute([stream])
+    send = stream.sender.send
+
+    def refuse_tokens(response=None, flags: int = 0) -> None:
+        if response is not None and not response.has_error():
+            raise RuntimeError("the stub failed to send")
+        send(response, flags)
+
+    stream.sender.send = refuse_tokens
+    model.engine.emit("e0", Emission([5]))
+    [(response, flags)] = stream.sender.sent
+    assert flags == FINAL and "the stub failed to send" in response.error().message()
+    assert model.engine.cancels == ["e0"] and model.engine.running() == 0 and model._live == {}
+    assert "generation_failed" in drain(model._finished)
