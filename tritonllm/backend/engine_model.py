@@ -236,7 +236,9 @@ class EngineModel:
         except Exception as exc:  # this request fails alone; the rest of the batch still goes in
             self._refused(call, exc)
         else:
-            if guided and call.cancelled:  # cancelled or stopped while its guide compiled
+            # Cancelled, stopped or closed while being handed over (a guide compiling, or between `submit` returning
+            # and its id being kept): that cancel missed the generations without an id.
+            if call.cancelled:
                 self._cancel(call)
         finally:
             if guided:

@@ -796,3 +796,24 @@ def test_a_response_that_fails_to_send_ends_its_call_and_its_generations(model, 
     assert flags == FINAL and "the stub failed to send" in response.error().message()
     assert model.engine.cancels == ["e0"] and model.engine.running() == 0 and model._live == {}
     assert "generation_failed" in drain(model._finished)
+
+
+@pytest.mark.parametrize("extra", [{}, {"num_return_sequences": np.array([[2]], np.int32)}], ids=["one", "n=2"])
+def test_a_cancel_while_the_engine_takes_a_request_is_not_lost(model, pb_utils, extra):
+    """The sender's check may cancel a call after the engine's `submit` took its last generation and before its id
+    is kept: that cancel misses the generation, which must not run on for a client that left."""
+    call = request(pb_utils, [1, 2], **extra)
+    rows = 2 if extra else 1
+    submit = model.engine.submit
+
+    def submit_then_cancelled(generation: GenerationRequest, emit: Callable[[Emission], None]) -> str:
+        engine_id = submit(generation, emit)
+        if model.engine.submitted == rows:
+            call.sender.cancelled = True
+            model._check_cancelled()
+        return engine_id
+
+    model.engine.submit = submit_then_cancelled
+    model.execute([call])
+    assert set(model.engine.cancels) == {f"e{row}" for row in range(rows)} and model.engine.running() == 0
+    assert finals(pb_utils, call.sender) == 1 and model._live == {}
