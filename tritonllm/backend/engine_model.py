@@ -330,10 +330,10 @@ class EngineModel:
             tensors = None if outputs is None else to_tensors(outputs, call.wanted)
             if final:
                 self._close(call)
-            if tensors is None:
-                call.sender.send(flags=FINAL)
-            else:
+            if tensors is not None:
                 call.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+            elif final:  # nothing to send but the end; one sequence's end of several is not the request's
+                call.sender.send(flags=FINAL)
         except Exception as exc:  # the call ends with the error: without a final response its client would hang
             self._close(call)
             self._finished.put(error_label(error_kind(exc)))

@@ -817,3 +817,16 @@ def test_a_cancel_while_the_engine_takes_a_request_is_not_lost(model, pb_utils, 
     model.execute([call])
     assert set(model.engine.cancels) == {f"e{row}" for row in range(rows)} and model.engine.running() == 0
     assert finals(pb_utils, call.sender) == 1 and model._live == {}
+
+
+def test_a_sequence_ending_without_new_tokens_does_not_end_the_others(model, pb_utils):
+    """Of num_return_sequences streams, one that ends with an empty emission has nothing to send: the request's
+    final response is still the last sequence's."""
+    call = request(pb_utils, [1, 2], num_return_sequences=np.array([[2]], np.int32), **STREAMING)
+    model.execute([call])
+    model.engine.emit("e0", Emission([5]))
+    model.engine.emit("e0", Emission([], FINISH_EOS))
+    assert finals(pb_utils, call.sender) == 0, "a sequence is still running"
+    model.engine.emit("e1", Emission([6], FINISH_LENGTH))
+    assert [flags for _, flags in call.sender.sent] == [0, FINAL]
+    assert [output_ids(pb_utils, r) for r, _ in call.sender.sent] == [[[[5]]], [[[6]]]]
