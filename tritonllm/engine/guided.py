@@ -5,7 +5,9 @@ compile fails that request alone; a matcher per request then follows its tokens.
 each guided request's matcher accept the tokens generated since the previous step and fills the request's row
 of a token bitmask (vocabulary / 32 int32 words); the step unpacks the bits with tensor operations and sets the
 disallowed tokens' logits to -inf. Once the grammar is complete the matcher allows only the stop token, which
-is the request's end id, so a guided request ends with FINISH_EOS.
+is the request's end id, so a guided request ends with FINISH_EOS. A matcher that refuses a generated token (the
+request's other controls banned every token its grammar allows: min_tokens its end, say) has lost the request, which
+fails with the reason rather than go on unguided.
 
 The host needs every token before it prepares the next step: asynchronous batching, which prepares a step before
 the previous one has produced its token, cannot guide (the engine refuses such requests there).
@@ -40,25 +42,41 @@ class Follower:
     """A request's grammar matcher and how many of its generated tokens it has accepted."""
 
     matcher: object
+    min_tokens: int = 0  # the request's, when they ban its end id (the matcher's stop token)
     accepted: int = 0
-    lost: bool = False  # it refused a generated token: the request is no longer guided
+    lost: str | None = None  # why it refused a generated token: the engine fails the request with it
 
     def accept(self, token: int, request_id: str) -> bool:
         """Lets the matcher take a generated token; False once it has lost the request."""
-        if self.lost:
+        if self.lost is not None:
             return False
         # A terminated matcher took its stop token; what follows (only stop tokens) is not its to take.
         if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
-            log.warning("request %s: its grammar refuses token %d; it goes on unguided", request_id, token)
-            self.lost = True
+            self.lost = self._refusal(token)
+            log.warning("request %s: %s", request_id, self.lost)
             return False
         self.accepted += 1
         return True
 
+    def _refusal(self, token: int) -> str:
+        """Why the grammar refused `token`: its mask kept nothing the request's bans left, so the step chose outside
+        it (a refused token leaves the matcher as it was)."""
+        if self.accepted < self.min_tokens and self.matcher.is_completed():
+            return (
+                f"min_tokens: is {self.min_tokens}, but the guide's grammar ends after {self.accepted} tokens, where "
+                "min_tokens bans the end: lower min_tokens or widen the guide"
+            )
+        return (
+            f"guided_decoding_guide: after {self.accepted} tokens the request's bad words or bias ban every token "
+            f"its grammar allows (token {token} came instead)"
+        )
+
     def fill(self, mask: torch.Tensor, row: int) -> None:
-        """Row `row` of an int32 token bitmask: the tokens the grammar allows next."""
+        """Row `row` of an int32 token bitmask: the tokens the grammar allows next; once it lost the request, only
+        its stop tokens, so that the request ends at once and the engine fails it."""
         matcher = self.matcher
-        if matcher.is_terminated():  # its stop token was taken and the request goes on: only stop tokens again
+        # A terminated matcher's request goes on after its stop token; a lost one's is to end: only stop tokens.
+        if matcher.is_terminated() or self.lost is not None:
             mask[row].zero_()
             for token in matcher.stop_token_ids:
                 mask[row, token // 32] |= BITS[token % 32]
@@ -137,13 +155,14 @@ class Guides:
             raise not_compiling(kind, exc) from None
         raise InputError("guided_decoding_guide_type", f"unknown guide type {kind!r}")
 
-    def start(self, request_id: str, compiled, end_id: int) -> None:
+    def start(self, request_id: str, compiled, end_id: int, min_tokens: int = 0) -> None:
         """Follows a request's tokens with a matcher of `compiled`; its stop token is the request's end id (the
-        tokenizer's end-of-sequence tokens for a request that has none)."""
+        tokenizer's end-of-sequence tokens for a request that has none, which min_tokens does not ban)."""
         import xgrammar
 
         stop = [end_id] if 0 <= end_id < self.vocab_size else None
-        follower = Follower(xgrammar.GrammarMatcher(compiled, override_stop_tokens=stop))
+        matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=stop)
+        follower = Follower(matcher, min_tokens if stop is not None else 0)
         with self._lock:
             self._followers[request_id] = follower
 
@@ -181,8 +200,9 @@ class GuidedDecoding(ArgumentGroup):
             if not future.state.logit_processor_kwargs.get("guided"):
                 continue
             follower = self.guides.follower(future.state.request_id)
-            if follower is None or not self._follow(future.state, follower):
+            if follower is None:
                 continue
+            self._follow(future.state, follower)
             if column >= self.max_rows:
                 raise RuntimeError(f"a step of more than {self.max_rows} requests with a new token")
             follower.fill(self.host_mask, column)
@@ -198,9 +218,11 @@ class GuidedDecoding(ArgumentGroup):
         args[0, columns] = 1
         return args
 
-    def _follow(self, state, follower: Follower) -> bool:
-        """Lets the matcher accept the tokens generated since the last step; False when it lost the request."""
-        return all(follower.accept(token, state.request_id) for token in generated_tokens(state)[follower.accepted :])
+    def _follow(self, state, follower: Follower) -> None:
+        """Lets the matcher accept the tokens generated since the last step, until it refuses one."""
+        for token in generated_tokens(state)[follower.accepted :]:
+            if not follower.accept(token, state.request_id):
+                break
 
     def apply(self, scores: torch.Tensor, args: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         rows, vocab = scores.shape

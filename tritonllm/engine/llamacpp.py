@@ -30,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -50,6 +51,9 @@ from tritonllm.engine.row_draw import draw_request
 from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
 
+if TYPE_CHECKING:
+    from tritonllm.engine.guided import Follower  # torch and transformers: at the first guided request only
+
 log = logging.getLogger(__name__)
 
 # ggml_log_level (ggml.h): WARN 3, ERROR 4; CONT 5 continues the previous line.
@@ -64,6 +68,7 @@ class _Sequence(Lifecycle):
     reserved: int  # KV cache cells held for it: its prompt and its new tokens
     position: int = 0  # tokens in the KV cache
     seq_id: int = -1  # llama.cpp's sequence id, once in the batch
+    follower: Follower | None = None  # its grammar matcher, for a guided request
 
 
 class _Batch:
@@ -226,6 +231,8 @@ class LlamaCppEngine(BlockingGenerate):
             raise EngineFailure(f"a request of {reserved} tokens does not fit the KV cache of {self.cache_tokens}")
         controls = self._controls(request, request_id)
         sequence = _Sequence(request_id, controls, list(request.input_ids), reserved, request=request, emit=emit)
+        if request.guide is not None:
+            sequence.follower = self._guides.follower(request_id)
         with self._lock:  # under the lock _fail_all holds: a request is refused here or finished there, never lost
             if self._stopped is not None:
                 raise EngineFailure(f"{self._stopped} (see the server log)")
@@ -247,7 +254,8 @@ class LlamaCppEngine(BlockingGenerate):
                 from tritonllm.engine.guided import Guides
 
                 self._guides = Guides(self.config.model_dir, self.vocab_size)
-            self._guides.start(request_id, self._guides.compile(request.guide), request.end_id)
+            compiled = self._guides.compile(request.guide)
+            self._guides.start(request_id, compiled, request.end_id, request.penalties.min_tokens)
             follower = self._guides.follower(request_id)
         return RowControls(request, self.vocab_size, follower, request_id)
 
@@ -406,6 +414,9 @@ class LlamaCppEngine(BlockingGenerate):
     def _advance(self, sequence: _Sequence, token: int, log_probs: TokenLogProbs | None, now: float) -> None:
         with self._lock:
             if sequence.done:  # cancelled while its step ran
+                return
+            if sequence.follower is not None and sequence.follower.lost is not None:  # `token` is off its grammar
+                self._finish(sequence, FINISH_ERROR, sequence.follower.lost)
                 return
             reason = sequence.take(token, log_probs, now)
             if reason is None:

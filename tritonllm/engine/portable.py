@@ -34,7 +34,7 @@ from tritonllm.engine.api import (
 from tritonllm.engine.checks import check_submit
 from tritonllm.engine.controls import EmbeddingBias, LogProbs, PenaltyGroup, RequestSlots, attach_log_probs
 from tritonllm.engine.cpu_threads import on_fresh_thread, start_yielding
-from tritonllm.engine.guided import GuidedDecoding, Guides
+from tritonllm.engine.guided import Follower, GuidedDecoding, Guides
 from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.engine.norms import fuse_rms_norms
 from tritonllm.engine.projections import merge_projections
@@ -66,6 +66,7 @@ class _Active(Lifecycle):
     # The router's advance and a cancel from another thread both read and emit the tokens: they take turns, and
     # nothing is emitted after the final emission (done).
     lock: threading.RLock = field(default_factory=threading.RLock)
+    follower: Follower | None = None  # its grammar matcher, for a guided request
 
 
 class PortableEngine(BlockingGenerate):
@@ -184,7 +185,8 @@ class PortableEngine(BlockingGenerate):
         active = _Active(request=request, emit=emit)
         kwargs = request_kwargs(request)
         if compiled is not None:
-            self.guides.start(request_id, compiled, request.end_id)
+            self.guides.start(request_id, compiled, request.end_id, request.penalties.min_tokens)
+            active.follower = self.guides.follower(request_id)
         # Registered before the manager has it: the router may meet its first output before add_request returns.
         with self._lock:
             self._active[request_id] = active
@@ -283,6 +285,10 @@ class PortableEngine(BlockingGenerate):
         if output.status == RequestStatus.FAILED:
             self._drop(request_id, active, FINISH_ERROR, output.error or "generation failed")
             return
+        if active.follower is not None and _guide_lost(active.follower, output):
+            self._manager.cancel_request(request_id)
+            self._drop(request_id, active, FINISH_ERROR, active.follower.lost)
+            return
         request = active.request
         reason = None
         log_probs = output.logprobs if request.log_probs >= 0 else None
@@ -352,6 +358,17 @@ def request_kwargs(request: GenerationRequest) -> dict:
     if request.guide is not None:
         kwargs["guided"] = True
     return kwargs
+
+
+def _guide_lost(follower: Follower, output: GenerationOutput) -> bool:
+    """Whether the request's grammar refused one of its tokens. The step thread's matcher takes each token when it
+    prepares the next step; a finished request has none, so its last tokens are given to the matcher here (the
+    manager no longer steps it: the matcher is this thread's)."""
+    if follower.lost is None and output.is_finished():
+        for token in output.generated_tokens[follower.accepted :]:
+            if not follower.accept(token, output.request_id):
+                break
+    return follower.lost is not None
 
 
 def _finish(active: _Active, reason: str, error: str | None = None) -> None:

@@ -13,10 +13,11 @@ import torch
 import xgrammar
 
 from tests.unit.engine.conftest import chat_ids
-from tritonllm.engine.api import GenerationRequest, Guide, SamplingParams
+from tests.unit.engine.test_cpu_engines import make_engine
+from tritonllm.engine.api import LLAMACPP, Emission, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.guided import GuidedDecoding
 from tritonllm.errors import InputError
-from tritonllm.protocol import FINISH_EOS
+from tritonllm.protocol import FINISH_EOS, FINISH_ERROR
 
 
 def guided(engine, tokenizer, prompt: str, guide: Guide, n: int = 48, **kwargs) -> tuple[str, str]:
@@ -176,6 +177,64 @@ def test_a_repeated_guide_is_compiled_once(engine, tokenizer):
         with pytest.raises(InputError):
             engine.submit(GenerationRequest([1], 4, guide=bad), lambda e: None)
     assert engine.guides.compilations == before + 2
+
+
+@pytest.fixture(scope="module")
+def llama(manifest):
+    eng = make_engine(manifest, LLAMACPP, max_batch_size=4, max_seq_len=512, kv_cache_tokens=2048)
+    yield eng
+    eng.shutdown()
+
+
+def submitted(engine, request: GenerationRequest) -> tuple[threading.Event, list[Emission]]:
+    done, emissions = threading.Event(), []
+
+    def emit(emission: Emission) -> None:
+        emissions.append(emission)
+        if emission.final:
+            done.set()
+
+    engine.submit(request, emit)
+    return done, emissions
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("engine_name", ["engine", "llama"], ids=["transformers", "llamacpp"])
+def test_min_tokens_past_the_grammars_end_fails_the_request_alone(request, tokenizer, engine_name, streaming):
+    """The grammar allows only the end id, which min_tokens bans: nothing is left, and the request used to go on
+    unguided to a success with text off its guide. It fails with why; the request beside it keeps to its guide."""
+    engine = request.getfixturevalue(engine_name)
+    ids, guide, end = chat_ids(tokenizer, "Is Paris in France?"), Guide("regex", "(yes|no)"), tokenizer.eos_token_id
+    bad = GenerationRequest(ids, 24, end_id=end, guide=guide, streaming=streaming, penalties=Penalties(min_tokens=6))
+    good = GenerationRequest(ids, 24, end_id=end, guide=guide, streaming=streaming)
+    (bad_done, bad_emissions), (good_done, good_emissions) = submitted(engine, bad), submitted(engine, good)
+    assert bad_done.wait(180) and good_done.wait(180)
+    failed = bad_emissions[-1]
+    assert failed.finish_reason == FINISH_ERROR and "min_tokens: is 6" in failed.error, failed
+    if engine_name == "llama" or not streaming:  # a stream of the transformers engine may have sent the token before
+        assert tokenizer.decode([t for e in bad_emissions for t in e.token_ids]) in ("", "y", "ye", "yes", "n", "no")
+    assert good_emissions[-1].finish_reason == FINISH_EOS
+    assert tokenizer.decode([t for e in good_emissions for t in e.token_ids]) in ("yes", "no")
+    assert engine.running() == 0
+
+
+@pytest.mark.parametrize("engine_name", ["engine", "llama"], ids=["transformers", "llamacpp"])
+def test_a_last_token_off_the_grammar_fails_the_request_too(request, tokenizer, engine_name):
+    """The refused token is the request's last: no later step's matcher meets it, and the request ended a success."""
+    engine = request.getfixturevalue(engine_name)
+    ids, guide = chat_ids(tokenizer, "Is Paris in France?"), Guide("regex", "(yes|no)")
+    (yes,) = tokenizer.encode("yes", add_special_tokens=False)
+    bad = GenerationRequest(
+        ids,
+        2,
+        end_id=tokenizer.eos_token_id,
+        guide=guide,
+        penalties=Penalties(min_tokens=2),
+        embedding_bias=((yes, 50.0),),
+    )
+    done, emissions = submitted(engine, bad)
+    assert done.wait(180)
+    assert emissions[-1].finish_reason == FINISH_ERROR and "ends after 1 tokens" in emissions[-1].error
 
 
 def test_the_mask_unpacks_xgrammars_bits():
