@@ -16,6 +16,9 @@ from tritonllm.errors import InputError
 
 GUIDE_FIELD = "guided_decoding_guide"
 CHECKED_GUIDES_KEPT = 256  # distinct guides whose verdict is kept
+# A request whose guide has not compiled within this fails: xgrammar's compile cannot be stopped, and a few
+# pathological regular expressions or grammars would otherwise hold up every guided request behind them.
+GUIDE_COMPILE_SECONDS = 30.0
 # xgrammar's errors start with a time stamp, its source file and line, and for checks the failed condition.
 _XGRAMMAR_NOISE = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
@@ -28,6 +31,10 @@ def xgrammar_reason(exc: Exception) -> str:
 
 def not_compiling(kind: str, exc: Exception) -> InputError:
     return InputError(GUIDE_FIELD, f"the {kind} guide does not compile: {xgrammar_reason(exc)}")
+
+
+def compile_too_slow(kind: str, seconds: float) -> InputError:
+    return InputError(GUIDE_FIELD, f"the {kind} guide did not compile within the limit of {seconds:g} s")
 
 
 @lru_cache(maxsize=CHECKED_GUIDES_KEPT)

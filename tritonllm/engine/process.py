@@ -18,7 +18,8 @@ stop, or die, the sockets close and the child exits, so no orphan keeps the GPU'
 
 Requests and their generation controls travel pickled, emissions as tuples of their fields. The stub refuses
 what the child's engine would, by the engine's `SubmitRules`, which the child reports when it is ready; a
-guide only the child can compile, so `submit` waits for the child's answer to a guided request.
+guide only the child can compile, so `submit` waits for the child's answer to a guided request (up to
+GUIDE_COMPILE_SECONDS).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import NoReturn
 
 from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest, SubmitRules
 from tritonllm.engine.checks import check_submit
+from tritonllm.engine.grammar_check import GUIDE_COMPILE_SECONDS, compile_too_slow
 from tritonllm.engine.process_child import (
     CANCEL,
     CLOSE,
@@ -169,12 +171,27 @@ class EngineProcess(BlockingGenerate):
             return request_id
         self._send((SUBMIT, request_id, request))
         if admission is not None:
-            admission.done.wait()  # the child compiles the guide, or its end fails the request
-            if admission.answer[:1] == (REFUSED,):
-                with self._lock:
-                    self._emits.pop(request_id, None)
-                raise InputError(*admission.answer[1:])
+            self._await_admission(request_id, request, admission)
         return request_id
+
+    def _await_admission(self, request_id: str, request: GenerationRequest, admission: _Admission) -> None:
+        """The child compiles the guide, or its end fails the request; InputError when it refuses the request, or
+        has not answered within GUIDE_COMPILE_SECONDS (the child's engine has the same deadline, from when it got
+        the request: this one is the caller's bound)."""
+        seconds = GUIDE_COMPILE_SECONDS
+        if not admission.done.wait(seconds):
+            with self._lock:
+                expired = self._admissions.pop(request_id, None) is not None
+                if expired:
+                    self._emits.pop(request_id, None)
+            if expired:
+                self._send((CANCEL, request_id))  # the child ends it if its engine takes it yet
+                raise compile_too_slow(request.guide.type, seconds)
+            admission.done.wait()  # answered meanwhile: it is being set
+        if admission.answer[:1] == (REFUSED,):
+            with self._lock:
+                self._emits.pop(request_id, None)
+            raise InputError(*admission.answer[1:])
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -194,10 +211,12 @@ class EngineProcess(BlockingGenerate):
 
     def running(self) -> int:
         """Requests in the engine from every sharing instance: ours now, the others' at the child's latest report
-        (at most LOAD_PERIOD old); none once the child is gone."""
+        (at most LOAD_PERIOD old); none once the child is gone. Ours whose guide compiles are left out: the caller
+        counts the requests `submit` has not returned (the engine model's admission does), as with an engine in the
+        caller's process, which takes a request once its guide compiled."""
         _, _, everyone, ours, _ = self._load
         with self._lock:
-            return 0 if self._ended else len(self._emits) + max(0, everyone - ours)
+            return 0 if self._ended else len(self._emits) - len(self._admissions) + max(0, everyone - ours)
 
     def in_batch(self) -> int:
         return self._load[0]

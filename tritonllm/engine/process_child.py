@@ -31,16 +31,20 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest
 from tritonllm.engine.synthetic import SyntheticConfig, SyntheticEngine
 from tritonllm.errors import InputError
-from tritonllm.protocol import FINISH_ERROR
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
 
 LOAD_PERIOD = 0.2  # seconds between load reports while a connection's requests emit nothing; and the accept poll
 CONFIG_SECONDS = 5.0  # a new connection's configuration must come within this, or it is closed
+# Guided submits, whose guide may compile (up to the engine's deadline), run on this many threads: each instance
+# hands over four at once (the engine model's GUIDED_SUBMITTERS); the engine bounds the compiles themselves.
+GUIDED_SUBMITS = 16
 # The protocol's messages, plain tuples whose first item is one of these: this module runs as __main__, whose
 # classes the parent could not unpickle.
 # From an instance: (CONFIG, config) first; then (SUBMIT, id, request), (CANCEL, id), (STOP, client request id),
@@ -132,13 +136,29 @@ class _Requests:
         with self._lock:
             return sum(map(len, self._live.values())), len(self._live.get(conn, ()))
 
-    def submit(self, conn: int, request_id: str, request: GenerationRequest, outgoing: queue.SimpleQueue) -> None:
-        key = (conn, request_id)
+    def receive(self, conn: int, request_id: str) -> bool:
+        """A request as it arrives, before it waits for a submitter: a cancel from now on is kept for it. False when
+        the connection closed meanwhile."""
         with self._lock:
             if conn not in self._live:
-                return  # the connection closed meanwhile
+                return False
             self._live[conn].add(request_id)
-            self._submitting.add(key)
+            self._submitting.add((conn, request_id))
+        return True
+
+    def submit(self, conn: int, request_id: str, request: GenerationRequest, outgoing: queue.SimpleQueue) -> None:
+        """A request received, to the engine: not one cancelled while it waited for a submitter (its connection
+        closed, or its instance stopped waiting for its guide), which ends at once."""
+        key = (conn, request_id)
+        with self._lock:
+            cancelled = key in self._cancelled
+            if cancelled:
+                self._submitting.discard(key)
+                self._cancelled.discard(key)
+                self._live.get(conn, set()).discard(request_id)
+        if cancelled:
+            outgoing.put((request_id, emission_fields(Emission([], FINISH_CANCELLED))))
+            return
         try:
             engine_id = self.engine.submit(request, self._emitter(key, outgoing))
         except InputError as exc:
@@ -209,6 +229,7 @@ class EngineServer:
         self._lock = threading.Lock()
         self._outgoing: dict[int, queue.SimpleQueue] = {}  # open connections' queues
         self._threads: list[threading.Thread] = []
+        self._guided = ThreadPoolExecutor(GUIDED_SUBMITS, thread_name_prefix="engine-guided")
 
     def connections(self) -> int:
         with self._lock:
@@ -241,11 +262,12 @@ class EngineServer:
             kind = message[0]
             if kind == SUBMIT:
                 _, request_id, request = message
+                if not self.requests.receive(number, request_id):
+                    continue
                 if request.guide is None:
                     self.requests.submit(number, request_id, request, outgoing)
                 else:  # compiling a new grammar takes up to seconds: meanwhile this loop takes other requests
-                    args = (number, request_id, request, outgoing)
-                    threading.Thread(target=self.requests.submit, args=args, daemon=True).start()
+                    self._guided.submit(self.requests.submit, number, request_id, request, outgoing)
             elif kind == CANCEL:
                 self.requests.cancel(number, message[1])
             elif kind == STOP:  # a client's stop request: every instance ends its calls that carry the id

@@ -2,9 +2,11 @@
 output in their language and end on the end id; a guide that does not compile fails its request alone, and a
 repeated guide is compiled once."""
 
+import contextlib
 import json
 import re
 import threading
+import time
 from types import SimpleNamespace
 
 import jsonschema
@@ -12,10 +14,12 @@ import pytest
 import torch
 import xgrammar
 
+from tests.polling import eventually
 from tests.unit.engine.conftest import chat_ids
 from tests.unit.engine.test_cpu_engines import make_engine
+from tritonllm.engine import guided as guided_module
 from tritonllm.engine.api import LLAMACPP, Emission, GenerationRequest, Guide, Penalties, SamplingParams
-from tritonllm.engine.guided import GuidedDecoding
+from tritonllm.engine.guided import GUIDE_COMPILERS, GuidedDecoding, Guides
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_EOS, FINISH_ERROR
 
@@ -177,6 +181,72 @@ def test_a_repeated_guide_is_compiled_once(engine, tokenizer):
         with pytest.raises(InputError):
             engine.submit(GenerationRequest([1], 4, guide=bad), lambda e: None)
     assert engine.guides.compilations == before + 2
+
+
+@pytest.fixture
+def slow(monkeypatch):
+    """Guides whose compile of a regex guide sleeps as many seconds as its text says, under a deadline of 0.3 s; and
+    what it compiled, and how many compiles ran at once at most."""
+    state, lock = SimpleNamespace(compiled=[], running=0, most=0), threading.Lock()
+
+    def compile_slowly(self, kind: str, text: str) -> str:
+        with lock:
+            state.compiled.append(text)
+            state.running += 1
+            state.most = max(state.most, state.running)
+        time.sleep(float(text))
+        with lock:
+            state.running -= 1
+        return f"grammar {text}"
+
+    monkeypatch.setattr(Guides, "_compile", compile_slowly)
+    monkeypatch.setattr(guided_module, "GUIDE_COMPILE_SECONDS", 0.3)
+    return Guides("unused", 100), state
+
+
+def test_a_guide_compiling_past_the_deadline_fails_its_requests_and_is_not_kept(slow):
+    guides, state = slow
+    started = time.monotonic()
+    with pytest.raises(InputError) as late:
+        guides.compile(Guide("regex", "0.8"))
+    assert time.monotonic() - started < 0.6  # it waited the deadline, not the compile
+    assert late.value.field == "guided_decoding_guide"
+    assert str(late.value).endswith("the regex guide did not compile within the limit of 0.3 s")
+    started = time.monotonic()
+    with pytest.raises(InputError, match=r"within the limit of 0\.3 s"):  # at once, while it still compiles
+        guides.compile(Guide("regex", "0.8"))
+    assert time.monotonic() - started < 0.1 and state.compiled == ["0.8"]
+    assert eventually(lambda: state.running == 0, 5)
+    # Its result came late: not kept as a success, it is compiled anew (and fails again).
+    with pytest.raises(InputError, match=r"within the limit of 0\.3 s"):
+        guides.compile(Guide("regex", "0.8"))
+    assert state.compiled == ["0.8", "0.8"]
+    assert guides.compile(Guide("regex", "0.01")) == "grammar 0.01"
+
+
+def test_at_most_a_few_guides_compile_at_once_and_a_compiled_one_is_served_meanwhile(slow):
+    guides, state = slow
+    assert guides.compile(Guide("regex", "0")) == "grammar 0"
+    texts = [f"0.5{i}" for i in range(6)]
+
+    def request(text: str) -> None:
+        with contextlib.suppress(InputError):
+            guides.compile(Guide("regex", text))
+
+    threads = []
+    for text in texts:  # in this order: the last waits for a compiler past its deadline
+        threads.append(threading.Thread(target=request, args=(text,)))
+        threads[-1].start()
+        time.sleep(0.02)
+    started = time.monotonic()
+    assert guides.compile(Guide("regex", "0")) == "grammar 0" and time.monotonic() - started < 0.1
+    for thread in threads:
+        thread.join(10)
+    assert eventually(lambda: sorted(state.compiled) == ["0", *texts] and state.running == 0, 10)
+    assert state.most == GUIDE_COMPILERS
+    # The last one's request gave up while it waited for a compiler: it compiled for the requests after.
+    assert guides.compile(Guide("regex", texts[-1])) == f"grammar {texts[-1]}"
+    assert len(state.compiled) == 1 + len(texts)
 
 
 @pytest.fixture(scope="module")

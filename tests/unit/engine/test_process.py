@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.polling import eventually
+from tritonllm.engine import process, process_child
 from tritonllm.engine.api import (
     Emission,
     EngineConfig,
@@ -188,11 +189,13 @@ class CompilingEngine:
     def __init__(self) -> None:
         self.compiled = threading.Event()
         self.cancels: list[str] = []
+        self.guided = 0  # guided submits it was given
 
     def submit(self, request, emit) -> str:
         if request.guide is None:
             emit(Emission([5], FINISH_LENGTH))
             return "plain"
+        self.guided += 1
         assert self.compiled.wait(30)
         return "guided"
 
@@ -209,14 +212,20 @@ class CompilingEngine:
         pass
 
 
-def test_a_compiling_guide_holds_up_neither_emissions_nor_other_requests(tmp_path):
-    path = tmp_path / "engine.sock"
+def serve_compiling(path: Path) -> tuple[CompilingEngine, threading.Thread]:
+    """A CompilingEngine served at `path` by this process's threads, as the engine's process serves its own."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen()
     engine = CompilingEngine()
     served = threading.Thread(target=serve, args=(listener, path, lambda _: engine), daemon=True)
     served.start()
+    return engine, served
+
+
+def test_a_compiling_guide_holds_up_neither_emissions_nor_other_requests(tmp_path):
+    path = tmp_path / "engine.sock"
+    engine, served = serve_compiling(path)
     parent = Client(str(path), family="AF_UNIX")
     parent.send((CONFIG, None))
     assert parent.poll(10)
@@ -242,8 +251,70 @@ def test_a_compiling_guide_holds_up_neither_emissions_nor_other_requests(tmp_pat
     assert engine.cancels == ["guided", "guided"] and not served.is_alive() and not path.exists()
 
 
+def test_guided_submits_wait_for_a_submitter_and_one_cancelled_meanwhile_ends_at_once(tmp_path, monkeypatch):
+    """Guided submits took a thread each: a few guides that compile for long held as many threads, without bound."""
+    monkeypatch.setattr(process_child, "GUIDED_SUBMITS", 1)
+    path = tmp_path / "engine.sock"
+    engine, served = serve_compiling(path)
+    parent = Client(str(path), family="AF_UNIX")
+    parent.send((CONFIG, None))
+    assert parent.poll(10) and parent.recv()[0] == READY
+    guided = GenerationRequest([1, 2], max_new_tokens=1, guide=Guide("regex", "[0-9]+"))
+    parent.send((SUBMIT, "p0", guided))
+    parent.send((SUBMIT, "p1", guided))  # waits for the only submitter
+    parent.send((CANCEL, "p1"))
+    assert eventually(lambda: engine.guided == 1, 10)
+    time.sleep(0.2)
+    engine.compiled.set()
+    got: list = []
+    while ("p0", (ADMITTED,)) not in got or not any(request_id == "p1" for request_id, _ in got):
+        assert parent.poll(10)
+        got += parent.recv()[1]
+    (ended,) = [Emission(*fields) for request_id, fields in got if request_id == "p1"]
+    assert ended.finish_reason == FINISH_CANCELLED and engine.guided == 1  # never given to the engine
+    parent.send((CLOSE,))
+    served.join(10)
+    assert not served.is_alive()
+
+
 SCOPE = f"tests-{os.getpid()}"  # the children these tests share live in the user's folder: one run's own
 SYNTHETIC = SyntheticConfig(tuple(range(100, 140)), max_batch_size=4, step_ms=1, engine_process=True)
+
+
+def test_a_guide_not_compiled_in_time_fails_its_submit_counted_once_and_the_child_drops_it(monkeypatch):
+    """The parent waited for the child's answer without end; and it counted a request whose guide compiles in
+    `running()`, as its caller's admission does too."""
+    monkeypatch.setattr(process, "GUIDE_COMPILE_SECONDS", 0.5)
+    engine, served = serve_compiling(socket_path(SYNTHETIC, f"{SCOPE}:compiling"))
+    instance = EngineProcess(SYNTHETIC, f"{SCOPE}:compiling")
+    failure: list[Exception] = []
+
+    def submit() -> None:
+        try:
+            instance.submit(GenerationRequest([1, 2], 1, guide=Guide("regex", "[0-9]+")), lambda e: None)
+        except Exception as exc:
+            failure.append(exc)
+
+    submitting = threading.Thread(target=submit)
+    try:
+        submitting.start()
+        assert eventually(lambda: engine.guided == 1, 10)
+        time.sleep(2 * LOAD_PERIOD)  # the child's load report counts it too
+        assert instance.running() == 0
+        submitting.join(5)
+        assert not submitting.is_alive(), "the submit waits for the compile"
+        (refused,) = failure
+        assert isinstance(refused, InputError) and refused.field == "guided_decoding_guide"
+        assert str(refused).endswith("the regex guide did not compile within the limit of 0.5 s")
+        engine.compiled.set()
+        assert eventually(lambda: engine.cancels == ["guided"], 10)  # the child's engine took it late: cancelled
+        assert instance.running() == 0
+    finally:
+        engine.compiled.set()
+        submitting.join(10)
+        instance.shutdown()
+        served.join(10)
+    assert not served.is_alive()
 
 
 def tokens(engine: EngineProcess, request: GenerationRequest) -> list[int]:
