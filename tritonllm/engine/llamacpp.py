@@ -52,7 +52,7 @@ from tritonllm.errors import EngineFailure, InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
 
 if TYPE_CHECKING:
-    from tritonllm.engine.guided import Follower  # torch and transformers: at the first guided request only
+    from tritonllm.engine.guided import Follower, Guides  # torch and transformers: at the first guided request only
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,8 @@ class LlamaCppEngine(BlockingGenerate):
         llama.llama_model_desc(self._model, description, len(description))
         self.description = f"{description.value.decode(errors='replace')}, {threads} threads"
         self._batch = _Batch(llama, config.max_batch_tokens, sequences)
-        self._guides = None  # tritonllm.engine.guided.Guides, at the first guided request
+        self._guides: Guides | None = None  # at the first guided request
+        self._guides_made = threading.Lock()  # the first guided requests come on several threads: one makes it
         self._lock = threading.RLock()  # emit callbacks run under it and may ask running() or cancel()
         self._ids = itertools.count()
         self._sequences: dict[str, _Sequence] = {}  # submitted and not finished
@@ -235,6 +236,8 @@ class LlamaCppEngine(BlockingGenerate):
             sequence.follower = self._guides.follower(request_id)
         with self._lock:  # under the lock _fail_all holds: a request is refused here or finished there, never lost
             if self._stopped is not None:
+                if request.guide is not None:  # its matcher, started in _controls, follows nothing
+                    self._guides.release(request_id)
                 raise EngineFailure(f"{self._stopped} (see the server log)")
             self._sequences[request_id] = sequence
             self._waiting.append(sequence)
@@ -250,14 +253,19 @@ class LlamaCppEngine(BlockingGenerate):
 
         follower = None
         if request.guide is not None:
-            if self._guides is None:
-                from tritonllm.engine.guided import Guides
-
-                self._guides = Guides(self.config.model_dir, self.vocab_size)
-            compiled = self._guides.compile(request.guide)
-            self._guides.start(request_id, compiled, request.end_id, request.penalties.min_tokens)
-            follower = self._guides.follower(request_id)
+            guides = self._guides_ready()
+            compiled = guides.compile(request.guide)
+            guides.start(request_id, compiled, request.end_id, request.penalties.min_tokens)
+            follower = guides.follower(request_id)
         return RowControls(request, self.vocab_size, follower, request_id)
+
+    def _guides_ready(self) -> Guides:
+        from tritonllm.engine.guided import Guides  # imported outside the lock: transformers takes seconds
+
+        with self._guides_made:
+            if self._guides is None:
+                self._guides = Guides(self.config.model_dir, self.vocab_size)
+            return self._guides
 
     def cancel(self, request_id: str) -> None:
         """Stop a request; it gets a final "cancelled" emission, and the step loop frees its place."""

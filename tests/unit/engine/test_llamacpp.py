@@ -20,6 +20,7 @@ from tritonllm.engine.api import (
     TRANSFORMERS,
     EngineConfig,
     GenerationRequest,
+    Guide,
     Penalties,
     SamplingParams,
 )
@@ -291,6 +292,47 @@ def test_a_submit_after_the_engine_failed_is_refused_not_lost(manifest):
         eng._fail_all("the engine's step loop failed: a test")
         with pytest.raises(EngineFailure, match="a test"):
             eng.submit(GenerationRequest([1, 2, 3], 2), lambda e: None)
+    finally:
+        eng.shutdown()
+
+
+def test_the_first_guided_requests_at_once_share_one_guides(manifest, tokenizer, monkeypatch):
+    """Four submitter threads met no Guides and each made one (a tokenizer and a compiler each), and the matchers of
+    all but the last were never released."""
+    from tritonllm.engine.guided import Guides
+
+    made, init = [], Guides.__init__
+
+    def slow_init(self, *args) -> None:
+        made.append(self)
+        time.sleep(0.2)  # as a first import and a tokenizer take their time
+        init(self, *args)
+
+    monkeypatch.setattr(Guides, "__init__", slow_init)
+    eng = make_engine(manifest, LLAMACPP, max_batch_size=4, max_seq_len=256, kv_cache_tokens=1024)
+    try:
+        ids, guide = chat_ids(tokenizer, "Is Paris in France?"), Guide("regex", "(yes|no)")
+        request = GenerationRequest(ids, 4, end_id=tokenizer.eos_token_id, guide=guide)
+        results: list = []
+        run = lambda: results.append(eng.generate(request, timeout=120))  # noqa: E731
+        threads = [threading.Thread(target=run) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+        assert len(results) == 4 and len(made) == 1
+        assert made[0] is eng._guides and len(eng._guides) == 0  # every matcher released
+    finally:
+        eng.shutdown()
+
+
+def test_a_guided_submit_refused_after_the_engine_failed_releases_its_matcher(manifest):
+    eng = make_engine(manifest, LLAMACPP, max_batch_size=2, max_seq_len=256, kv_cache_tokens=512)
+    try:
+        eng._fail_all("the engine's step loop failed: a test")
+        with pytest.raises(EngineFailure, match="a test"):
+            eng.submit(GenerationRequest([1, 2, 3], 2, guide=Guide("regex", "(yes|no)")), lambda e: None)
+        assert len(eng._guides) == 0
     finally:
         eng.shutdown()
 
