@@ -85,22 +85,26 @@ class LlmApiEngine(BlockingGenerate):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tensorrt_llm-llmapi", daemon=True)
         self._thread.start()
+        # A submit registers and schedules its request under the lock shutdown closes under, so that shutdown's end
+        # of every request meets it, or it is refused: a request scheduled on a stopped loop would never finish.
+        self._lock = threading.Lock()
         self._closed = False
         self._dead: str | None = None  # why the LLM takes no more requests, once it says so
 
     # ---------------------------------------------------------------- the engine interface
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
-        if self._closed or self._dead:
-            raise EngineFailure(f"the engine takes no requests: {self._dead or 'it is shutting down'}")
         check_submit(request, self.submit_rules)
         if request.guide is not None:  # compiled in TensorRT-LLM's batch step, where a bad one fails late
             check_guide(request.guide.type, request.guide.text)
         params = self._sampling_params(request)
-        engine_id = str(next(self._ids))
         entry = _Request(Lifecycle(request=request, emit=emit))
-        self._requests[engine_id] = entry
-        future = asyncio.run_coroutine_threadsafe(self._run(engine_id, entry, params), self._loop)
+        with self._lock:
+            if self._closed or self._dead:
+                raise EngineFailure(f"the engine takes no requests: {self._dead or 'it is shutting down'}")
+            engine_id = str(next(self._ids))
+            self._requests[engine_id] = entry
+            future = asyncio.run_coroutine_threadsafe(self._run(engine_id, entry, params), self._loop)
         future.add_done_callback(_log_failure)
         return engine_id
 
@@ -121,9 +125,10 @@ class LlmApiEngine(BlockingGenerate):
 
     def shutdown(self) -> None:
         """Every request in flight ends with an error first (and is aborted in the LLM), then the LLM stops."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         ended = asyncio.run_coroutine_threadsafe(self._end_all("the engine is shutting down"), self._loop)
         with contextlib.suppress(Exception):
             ended.result(SHUTDOWN_SECONDS)

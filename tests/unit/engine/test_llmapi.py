@@ -372,6 +372,24 @@ def test_shutdown_ends_the_requests_in_flight_and_refuses_new_ones(scripted):
         scripted.submit(GenerationRequest([1], 9), lambda e: None)
 
 
+def test_a_submit_racing_shutdown_is_refused_not_dropped(scripted, monkeypatch):
+    """submit checked that the engine was open, then shutdown ended every request and stopped the loop, then submit
+    scheduled its request on the stopped loop: it never finished."""
+    params = scripted._sampling_params
+
+    def shut_down_meanwhile(request):
+        stopping = threading.Thread(target=scripted.shutdown)
+        stopping.start()
+        stopping.join(10)
+        return params(request)
+
+    monkeypatch.setattr(scripted, "_sampling_params", shut_down_meanwhile)
+    emissions: list[Emission] = []
+    with pytest.raises(EngineFailure, match="it is shutting down"):
+        scripted.submit(GenerationRequest([1], 9), emissions.append)
+    assert emissions == [] and scripted.running() == 0
+
+
 def test_every_finish_reason_of_the_release_is_mapped(standin):
     from tensorrt_llm.surface import FINISH_REASONS
 
