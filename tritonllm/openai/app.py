@@ -30,6 +30,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 from uvicorn.config import STARTUP_FAILURE
 
 from tritonllm.errors import ErrorKind
@@ -89,6 +90,20 @@ def create_app(settings: Settings, generator: Generator | None = None) -> FastAP
             message = f"Unrecognized request argument supplied: {'.'.join(where)}"
         return APIError(ErrorKind.INVALID_INPUT, message, param=param).response()
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (an unknown path, a wrong method, a body it cannot read) in OpenAI's format."""
+        kind = ErrorKind.NOT_FOUND if exc.status_code == 404 else ErrorKind.INVALID_INPUT
+        error = APIError(kind, str(exc.detail))
+        error.status = exc.status_code
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: still an answer in OpenAI's format (not Starlette's plain text), the traceback in the log."""
+        traceback.print_exception(exc)
+        return APIError(ErrorKind.INTERNAL, f"internal error: {type(exc).__name__}").response()
+
     if settings.api_key:
         app.add_middleware(ApiKey, key=settings.api_key)
 
@@ -102,8 +117,10 @@ def create_app(settings: Settings, generator: Generator | None = None) -> FastAP
         return routes.model_card(generator)
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"ready": await generator.ready()}
+    async def health() -> JSONResponse:
+        """200 when Triton is ready, else 503: probes and launchers read the status."""
+        ready = await generator.ready()
+        return JSONResponse({"ready": ready}, status_code=200 if ready else ErrorKind.UNAVAILABLE.http_status)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tritonllm.openai import tools as tooling
-from tritonllm.openai.models import Body, SamplingRequest, check_schema, invalid
+from tritonllm.openai.models import INT32_MAX, Body, SamplingRequest, check_schema, invalid
 from tritonllm.protocol import MAX_TOP_LOG_PROBS
 
 
@@ -109,7 +109,7 @@ class ResponseFormat(Body):
 
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOG_PROBS)
     response_format: ResponseFormat | None = None

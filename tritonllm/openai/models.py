@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from fastapi.responses import JSONResponse
 from jsonschema import SchemaError
 from jsonschema.validators import validator_for
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tritonllm.errors import ErrorKind
 from tritonllm.protocol import (
@@ -33,6 +33,10 @@ MAX_STOPS = min(4, MAX_WORDS)  # OpenAI's limit, within what the models take
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' `logprobs`
 MAX_LOGIT_BIAS = min(300, MAX_BIASED_TOKENS)  # OpenAI's limit of biased tokens, within what the models take
 PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty: OpenAI's -2..2
+# A JSON schema's nesting (objects and arrays): deeper ones would exhaust the stack of the schema checker and of the
+# grammar compiler; real schemas stay far below.
+MAX_SCHEMA_DEPTH = 64
+INT32_MAX = 2**31 - 1  # the integer controls travel as INT32 tensors
 
 # Accepted and changing nothing by nature: identifiers and storage options of OpenAI's platform.
 NO_OPS = (
@@ -98,18 +102,54 @@ def invalid(param: str, message: str) -> APIError:
     return APIError(ErrorKind.INVALID_INPUT, f"'{param}': {message}", param=param)
 
 
+def depth(value: Any) -> int:
+    """How deeply JSON objects and arrays nest in `value` (0 for a scalar), without recursing."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in children)
+    return deepest
+
+
 def check_schema(schema: Any, param: str) -> None:
     """Refuse a schema that is not a JSON schema here, naming the parameter, rather than in the engine's grammar."""
     if not isinstance(schema, dict):
         raise invalid(param, "the schema must be a JSON object")
+    if depth(schema) > MAX_SCHEMA_DEPTH:
+        raise invalid(param, f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as exc:
         raise invalid(param, f"not a valid JSON schema: {exc.message}") from None
 
 
+def refuse_surrogates(value: Any) -> Any:
+    """`value` as it came, unless a string in it holds a lone UTF-16 surrogate (JSON's "\\ud800" parses, but is no
+    text any tokenizer or response can encode): a ValueError, which names the field."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode()
+                except UnicodeEncodeError:
+                    raise ValueError("a string holds a lone surrogate (an unpaired \\ud800-\\udfff escape)") from None
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return value
+
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    _no_surrogates = field_validator("*", mode="before")(refuse_surrogates)
 
 
 class StreamOptions(Body):
@@ -121,7 +161,7 @@ class SamplingRequest(Body):
     """What both endpoints take; `inputs` turns it into tensorrt_llm_bls's inputs."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
@@ -134,8 +174,8 @@ class SamplingRequest(Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
 
     # vLLM's extra parameters.
-    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
     bad_words: list[str] | None = None
@@ -212,8 +252,8 @@ class SamplingRequest(Body):
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except ValueError:
-                    raise invalid("guided_json", "is not JSON") from None
+                except (ValueError, RecursionError):  # RecursionError: nested too deeply for the parser
+                    raise invalid("guided_json", "is not JSON, or nests too deeply") from None
             check_schema(schema, "guided_json")
             guides.append(("guided_json", ("json_schema", json.dumps(schema))))
         if self.guided_regex is not None:
@@ -276,7 +316,7 @@ def check_words(words: list[str], param: str) -> None:
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1)
