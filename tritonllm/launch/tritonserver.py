@@ -209,6 +209,7 @@ class OpenAIFrontend:
     tokenizer_class: str = ""
     workers: int | None = None  # its processes on the port; None: tritonllm.openai.app's default for the cores
     repository: str = ""  # the built repository: the direct path to the engine model (portable flavor)
+    trtllm: bool = False  # a TensorRT-LLM engine: requests carry none of the portable engine's additions
 
     process: subprocess.Popen | None = None
 
@@ -219,6 +220,7 @@ class OpenAIFrontend:
         options.setdefault("tokenizer_class", manifest.get("tokenizer_class", ""))
         if manifest.get("engine") == "trtllm":  # its engine model does not stream in the default deployment
             options["repository"] = ""
+            options["trtllm"] = True
         return cls(
             grpc_url, manifest["tokenizer_dir"], manifest["max_input_len"], manifest["max_seq_len"], port, **options
         )
@@ -261,6 +263,8 @@ class OpenAIFrontend:
             command += ["--workers", str(self.workers)]
         if self.repository:
             command += ["--repository", self.repository]
+        if self.trtllm:
+            command.append("--trtllm")
         env = dict(os.environ, TRITONLLM_API_KEY=self.api_key or "")
         output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
         self._output = output

@@ -49,3 +49,25 @@ def test_the_image_entrypoint_never_serves_the_admin_apis_open(tmp_path, monkeyp
     [flag] = [f for f in command if f.startswith("--http-restricted-api=")]
     key = flag.rsplit("=", 1)[1]
     assert len(key) >= 24 and f"tritonllm-admin-key: {key}" in capsys.readouterr().out
+
+
+def test_the_openai_layer_for_a_trtllm_build_sends_none_of_the_portable_additions(monkeypatch, tmp_path):
+    """Without --trtllm the layer sends openai_penalties and num_top_log_probs, which the flavor refuses by name."""
+    import pytest
+
+    from tritonllm.launch.tritonserver import OpenAIFrontend, free_port
+
+    commands = []
+
+    def record(command, **kwargs):
+        commands.append(command)
+        raise OSError("not started")
+
+    monkeypatch.setattr(subprocess, "Popen", record)
+    for engine in ("trtllm", "portable"):
+        manifest = {"engine": engine, "tokenizer_dir": str(tmp_path), "max_input_len": 8, "max_seq_len": 16}
+        with pytest.raises(OSError):
+            OpenAIFrontend.for_build("127.0.0.1:1", manifest, free_port(), repository=str(tmp_path)).start()
+    trtllm, portable = commands
+    assert "--trtllm" in trtllm and "--repository" not in trtllm
+    assert "--trtllm" not in portable and "--repository" in portable
