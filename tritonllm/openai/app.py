@@ -63,6 +63,48 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
+MAX_BODY_BYTES = 8 * 2**20  # a request body: far above any prompt the model takes (routes.py refuses those by size)
+
+
+class BodyLimit:
+    """Refuses a body over MAX_BODY_BYTES with a 413 before anything parses it: by its Content-Length, or, for a
+    chunked body, once its chunks pass the limit (they are held, then handed on)."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.limit:
+                await self.refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self.refuse(scope, receive, send)
+                return
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope, receive, send) -> None:
+        error = APIError(ErrorKind.TOO_LARGE, f"the request body is over the limit of {self.limit} bytes")
+        await error.response()(scope, receive, send)
+
+
 def create_app(settings: Settings, generator: Generator | None = None) -> FastAPI:
     """The app; `generator` replaces the one made from `settings` (tests give one with a stand-in Triton)."""
     generator = generator or Generator(settings)
@@ -106,6 +148,7 @@ def create_app(settings: Settings, generator: Generator | None = None) -> FastAP
 
     if settings.api_key:
         app.add_middleware(ApiKey, key=settings.api_key)
+    app.add_middleware(BodyLimit)  # added last, so it runs first: before the key is even read
 
     @app.get("/v1/models")
     async def list_models() -> dict:

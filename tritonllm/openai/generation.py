@@ -34,6 +34,7 @@ from tritonllm.openai.models import (
 from tritonllm.openai.tools import hermes_messages, template_renders_tools
 from tritonllm.protocol import infer_inputs, request_tensors
 from tritonllm.text.pipeline import Parts, streaming_parameters
+from tritonllm.text.tokenization import MAX_BYTES_PER_TOKEN
 from tritonllm.text.tokenizer import load_tokenizer
 
 T = TypeVar("T")
@@ -106,6 +107,15 @@ class Generator:
         the room left; an over-long prompt is refused naming `prompt_param` (completions' `prompt`, chat's
         `messages`)."""
         settings = self.settings
+        limit = MAX_BYTES_PER_TOKEN * settings.max_input_len  # the preprocessing step's, checked before tokenizing
+        if len(prompt) > limit and len(prompt.encode()) > limit:
+            raise APIError(
+                ErrorKind.INVALID_INPUT,
+                f"The prompt is {len(prompt.encode())} bytes; this model takes at most {limit} "
+                f"({settings.max_input_len} input tokens).",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
         # As the preprocessing step counts them; on the direct path its pipeline takes these ids as they are.
         if self.direct is not None:
             ids = self.direct.parts.preprocessor.tokenize_prompt(prompt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -22,6 +23,7 @@ from tritonllm.openai.models import (
 from tritonllm.openai.tools import HermesStream, parse_call, parse_hermes, tool_call
 
 CREATED = int(time.time())  # the model card's creation time: when this layer started
+MAX_CHOICES = 128  # of one completions request: its prompts times n, each a stream of its own
 
 
 def model_card(generator: Generator) -> dict:
@@ -77,7 +79,12 @@ async def completions(generator: Generator, body: CompletionRequest):
     prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
     if not prompts or not all(prompts):
         raise invalid("prompt", "must be a non-empty string or list of non-empty strings")
-    budgets = [generator.budget(p, body.max_tokens, "max_tokens", "prompt") for p in prompts]
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise invalid("prompt", f"{len(prompts)} prompts of n={body.n} choices each are over the {MAX_CHOICES} choices")
+    # Tokenizing takes milliseconds per prompt (seconds for a long list): on a thread, never the event loop's.
+    budgets = await asyncio.to_thread(
+        lambda: [generator.budget(p, body.max_tokens, "max_tokens", "prompt") for p in prompts]
+    )
     check_min_tokens(body, budgets)
     texts = generator.token_texts
     echoes = [p if body.echo else "" for p in prompts]  # choice i echoes prompt i // n
@@ -186,9 +193,8 @@ class ChatStream:
         return [], finish_reason
 
 
-async def chat_completions(generator: Generator, body: ChatRequest):
-    check_model(generator, body.model)
-    body.check_supported(generator.vocab_size, generator.settings.engine_additions)
+def chat_budget(generator: Generator, body: ChatRequest) -> Prompt:
+    """The conversation through the chat template, tokenized and checked against the context."""
     messages = [m.rendered() for m in body.messages]
     try:
         prompt = generator.chat_prompt(messages, body.offered_tools())
@@ -197,7 +203,13 @@ async def chat_completions(generator: Generator, body: ChatRequest):
     except Exception as exc:
         raise invalid("messages", f"the messages do not fit the model's chat template: {exc}") from None
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    budget = generator.budget(prompt, body.max_completion_tokens or body.max_tokens, param, "messages")
+    return generator.budget(prompt, body.max_completion_tokens or body.max_tokens, param, "messages")
+
+
+async def chat_completions(generator: Generator, body: ChatRequest):
+    check_model(generator, body.model)
+    body.check_supported(generator.vocab_size, generator.settings.engine_additions)
+    budget = await asyncio.to_thread(chat_budget, generator, body)  # the template and the tokenizer: off the loop
     check_min_tokens(body, [budget])
     texts = generator.token_texts
     model = generator.settings.model_name

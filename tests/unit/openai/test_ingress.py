@@ -40,7 +40,9 @@ def app(tokenizer_dir, triton):
     settings = Settings("unused:0", tokenizer_dir, MODEL, max_input_len=512, max_seq_len=1024)
     generator = Generator(settings)
     generator._client = triton
-    return create_app(settings, generator)
+    app = create_app(settings, generator)
+    app.state.generator = generator  # for the tests that reach into it
+    return app
 
 
 def error_of(response: httpx2.Response, status: int) -> dict:
@@ -137,3 +139,57 @@ def test_health_is_503_until_triton_is_ready(app, triton, ready, status):
     triton.is_server_ready = is_server_ready
     response = post(app, "/health", b"", method="GET")
     assert response.status_code == status and response.json() == {"ready": ready}
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(app):
+    from tritonllm.openai.app import BodyLimit
+
+    limited = BodyLimit(app, 1000)
+    body = {"model": MODEL, "prompt": "Hello " * 400}
+    assert error_of(post(limited, "/v1/completions", body), 413)["type"] == "invalid_request_error"
+
+    async def chunked():
+        async def chunks():
+            for _ in range(5):
+                yield b" " * 400
+            yield json.dumps(body).encode()
+
+        transport = httpx2.ASGITransport(app=limited)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://test") as http:
+            return await http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+
+    assert asyncio.run(chunked()).status_code == 413
+    small = post(limited, "/v1/completions", {"model": MODEL, "prompt": "Hello"})
+    assert small.status_code == 200, small.text
+
+
+def test_too_many_choices_are_a_400_naming_the_prompt(app, triton):
+    error = error_of(post(app, "/v1/completions", {"model": MODEL, "prompt": ["Hello"] * 65, "n": 2}), 400)
+    assert error["param"] == "prompt" and triton.requests == []
+
+
+def test_a_prompt_over_the_byte_limit_is_refused_without_tokenizing(app, triton, monkeypatch):
+    from tritonllm.text.tokenization import MAX_BYTES_PER_TOKEN
+
+    calls = []
+    monkeypatch.setattr(app.state.generator, "tokenizer", lambda *args, **kwargs: calls.append(args))
+    prompt = "x" * (MAX_BYTES_PER_TOKEN * 512 + 1)
+    error = error_of(post(app, "/v1/completions", {"model": MODEL, "prompt": prompt}), 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert calls == [] and triton.requests == []
+
+
+def test_prompts_are_tokenized_off_the_event_loop(app, monkeypatch):
+    import threading
+
+    threads = []
+    budget = Generator.budget
+
+    def recorded(self, *args):
+        threads.append(threading.current_thread())
+        return budget(self, *args)
+
+    monkeypatch.setattr(Generator, "budget", recorded)
+    assert post(app, "/v1/completions", {"model": MODEL, "prompt": "Hello"}).status_code == 200
+    assert post(app, "/v1/chat/completions", {"model": MODEL, "messages": USER}).status_code == 200
+    assert len(threads) == 2 and threading.main_thread() not in threads
