@@ -15,10 +15,10 @@ import torch
 import xgrammar
 
 from tests.polling import eventually
-from tests.unit.engine.conftest import chat_ids
+from tests.unit.engine.conftest import chat_ids, submitted
 from tests.unit.engine.test_cpu_engines import make_engine
 from tritonllm.engine import guided as guided_module
-from tritonllm.engine.api import LLAMACPP, Emission, GenerationRequest, Guide, Penalties, SamplingParams
+from tritonllm.engine.api import LLAMACPP, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.guided import GUIDE_COMPILERS, GuidedDecoding, Guides
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_EOS, FINISH_ERROR
@@ -254,18 +254,6 @@ def llama(manifest):
     eng = make_engine(manifest, LLAMACPP, max_batch_size=4, max_seq_len=512, kv_cache_tokens=2048)
     yield eng
     eng.shutdown()
-
-
-def submitted(engine, request: GenerationRequest) -> tuple[threading.Event, list[Emission]]:
-    done, emissions = threading.Event(), []
-
-    def emit(emission: Emission) -> None:
-        emissions.append(emission)
-        if emission.final:
-            done.set()
-
-    engine.submit(request, emit)
-    return done, emissions
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["whole", "streamed"])

@@ -18,6 +18,7 @@ import torch
 
 from tests.conftest import BUILD, ROOT
 from tests.polling import eventually
+from tests.unit.engine.conftest import emissions_of
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.llmapi_config import LlmApiConfig
 from tritonllm.engine.llmapi_params import TokenRules, guided_decoding_kwargs, sampling_kwargs, token_rules
@@ -179,16 +180,7 @@ def test_token_rules_bias_tokens_and_ban_a_words_last_token_after_its_beginning(
 
 
 def collect(engine, request: GenerationRequest, timeout: float = 120) -> list[Emission]:
-    done, emissions = threading.Event(), []
-
-    def emit(emission: Emission) -> None:
-        emissions.append(emission)
-        if emission.final:
-            done.set()
-
-    engine.submit(request, emit)
-    assert done.wait(timeout), "no final emission"
-    return emissions
+    return emissions_of(engine, request, timeout)
 
 
 def test_streamed_and_whole_answers_carry_the_same_tokens(engine, prompt, tokenizer):

@@ -2,11 +2,11 @@
 
 import json
 import os
-import threading
 
 import pytest
 
 from tests.polling import eventually
+from tests.unit.engine.conftest import emissions_of
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
@@ -26,16 +26,7 @@ def engine():
 
 
 def stream(engine, request: GenerationRequest) -> list[Emission]:
-    done, got = threading.Event(), []
-
-    def emit(emission: Emission) -> None:
-        got.append(emission)
-        if emission.final:
-            done.set()
-
-    engine.submit(request, emit)
-    assert done.wait(10)
-    return got
+    return emissions_of(engine, request, 10)
 
 
 def test_a_stream_gets_one_token_a_step_along_the_passage(engine):
