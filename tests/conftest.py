@@ -106,7 +106,7 @@ def _served(build: Path, tmp_path_factory):
     yield triton
     code = triton.stop()
     text = log.read_text()
-    assert "Traceback" not in text, f"a model raised in the server; log tail:\n{text[-5000:]}"
+    assert "Traceback" not in text, f"a model raised or crashed in the server; log tail:\n{text[-5000:]}"
     assert code == 0, f"tritonserver exited with {code}; log tail:\n{text[-3000:]}"
 
 

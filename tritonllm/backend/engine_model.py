@@ -36,6 +36,7 @@ from tritonllm.backend.triton_glue import (
     FINAL,
     error_kind,
     error_response,
+    free_before_exit,
     input_arrays,
     log_exception,
     log_info,
@@ -402,3 +403,4 @@ class EngineModel:
         # The model is in reference cycles (its sender thread holds its bound methods), so without this its
         # metric families would be freed at interpreter exit, after the stub's IPC is gone: a segfault there.
         self.metrics = None
+        free_before_exit()  # answered calls, each in a cycle with its generations, hold their response senders

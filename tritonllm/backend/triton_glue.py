@@ -5,6 +5,7 @@ Imported only inside tritonserver's Python-backend stub, where `triton_python_ba
 
 from __future__ import annotations
 
+import gc
 import json
 import traceback
 from collections.abc import Callable, Sequence
@@ -115,6 +116,14 @@ def settle_after(sender, keep: list) -> None:
     """
     sender.is_cancelled()
     keep.clear()
+
+
+def free_before_exit() -> None:
+    """The last step of a model's `finalize`: free now what reference cycles still hold (a request's response
+    sender, a metric family). Left to the interpreter's last collection at the stub's exit, a ResponseSender's
+    destructor reaches for shared memory the server has already taken back: a segfault in ~ResponseSender, and
+    tritonserver exits nonzero."""
+    gc.collect()
 
 
 def raise_if_error(response) -> None:

@@ -830,3 +830,23 @@ def test_a_sequence_ending_without_new_tokens_does_not_end_the_others(model, pb_
     model.engine.emit("e1", Emission([6], FINISH_LENGTH))
     assert [flags for _, flags in call.sender.sent] == [0, FINAL]
     assert [output_ids(pb_utils, r) for r, _ in call.sender.sent] == [[[[5]]], [[[6]]]]
+
+
+def test_finalize_frees_the_response_senders_of_answered_calls(model, pb_utils):
+    """A call and its generations hold each other: left to the interpreter's last collection at the stub's exit, their
+    response sender's destructor finds the server's shared memory gone (a segfault, tritonserver exits nonzero)."""
+    import gc
+    import weakref
+
+    gc.disable()  # as when no automatic collection happens to run before the unload
+    try:
+        calls = [request(pb_utils, [1, 2]), request(pb_utils, [3, 4], **STREAMING)]
+        model.execute(calls)
+        model.engine.finish_all()
+        assert [finals(pb_utils, call.sender) for call in calls] == [1, 1]
+        senders = [weakref.ref(call.sender) for call in calls]
+        del calls
+        model.finalize()
+        assert [sender() for sender in senders] == [None, None]
+    finally:
+        gc.enable()
