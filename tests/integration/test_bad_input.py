@@ -180,6 +180,21 @@ def test_http_generate(server, body, status, needle):
     assert needle.lower() in text_.lower()
 
 
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b'{"text_input": "hi", "stream": true}', "max_tokens"),  # core lets a required input be missing here
+        (b'{"text_input": "hi", "temperature": 0.5}', "max_tokens"),
+        (b'{"text_input": "hi", "max_tokens": 0, "stream": true}', "max_tokens"),
+        (b'{"max_tokens": 4, "stream": true}', "text_input"),
+    ],
+)
+def test_streaming_model_generate_refuses_a_missing_input(server, body, needle):
+    got, text_ = post(server, "/v2/models/tensorrt_llm_bls/generate_stream", body)
+    assert got == 400, (got, text_)
+    assert needle in text_
+
+
 def test_streaming_model_refuses_a_batch(server):
     body = json.dumps({"text_input": ["a", "b"], "max_tokens": 4, "stream": True}).encode()
     got, text_ = post(server, "/v2/models/tensorrt_llm_bls/generate_stream", body)

@@ -144,11 +144,11 @@ class StreamedRequest:
                 "of their own), or call ensemble in the decoupled deployment (--decoupled-mode)",
             )
         self.log_probs = log_probs_wanted(arrays, 0)  # as GenerationRequest.log_probs: -1 none, k the top k too
-        self.max_tokens = int(scalar(arrays, "max_tokens", 0))
         self.detokenizer = detokenizer
         self.wiring = wiring
         self._arrays = arrays
         self._tensors = {**arrays, **self._preprocess(arrays, preprocessor, prompt_ids)}
+        self.max_tokens = int(scalar(arrays, "max_tokens", 0))  # there: preprocessing refuses a request without it
         stops = [as_text(v, "stop_words") for v in arrays["stop_words"].reshape(-1)] if "stop_words" in arrays else []
         self.stream = TextStream(detokenizer, stops)
         self.perf = bool(scalar(self._tensors, "return_perf_metrics", 0))
