@@ -42,21 +42,29 @@ from tritonllm.openai.workers import default_workers, port_free, supervise_worke
 from tritonllm.protocol import OPENAI_PORT, PORTS
 
 
+def bearer_credentials(authorization: bytes) -> bytes | None:
+    """The credentials of an `Authorization: Bearer KEY` header, None under another scheme or none. The scheme is
+    case-insensitive (RFC 7235 section 2.1, RFC 6750 section 2.1: "bearer KEY" is a Bearer credential too)."""
+    parts = authorization.split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != b"bearer":
+        return None
+    return parts[1].strip()
+
+
 class ApiKey:
-    """`Authorization: Bearer KEY` on /v1/ paths. A plain ASGI middleware: Starlette's `@app.middleware("http")`
-    relays every chunk of a streamed answer through its own tasks and queues, a fifth of the layer's CPU under
-    load (docs/performance.md, "The pipeline's ceiling")."""
+    """`Authorization: Bearer KEY` on /v1/ paths, the key compared in constant time. A plain ASGI middleware:
+    Starlette's `@app.middleware("http")` relays every chunk of a streamed answer through its own tasks and queues,
+    a fifth of the layer's CPU under load (docs/performance.md, "The pipeline's ceiling")."""
 
     def __init__(self, app, key: str) -> None:
-        self.app, self.key = app, key
+        # Bytes, not text: compare_digest refuses a str that is not ASCII (a TypeError, a 500), and an HTTP header may
+        # carry any byte (obs-text); the key is compared as UTF-8, whatever it holds.
+        self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
-            # Bytes, not text: compare_digest refuses a str that is not ASCII (a TypeError, a 500), and an HTTP
-            # header may carry any byte (obs-text); the key is compared as UTF-8, whatever it holds.
-            if not secrets.compare_digest(given, self.key.encode()):
+            given = bearer_credentials(dict(scope["headers"]).get(b"authorization", b""))
+            if given is None or not secrets.compare_digest(given, self.key):
                 error = APIError(ErrorKind.UNAUTHORIZED, "Incorrect or missing API key", code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return

@@ -393,9 +393,8 @@ def test_an_over_long_prompt_is_refused_naming_what_the_client_sent(layer, trito
     assert triton.requests == []
 
 
-@pytest.mark.parametrize("header", [b"Bearer \xe9", "Bearer clé".encode(), b"Bearer wrong", b""])
-def test_a_wrong_api_key_is_401_whatever_bytes_it_holds(tokenizer_dir, triton, header):
-    """An HTTP header may carry any byte; compared as text, a non-ASCII one made compare_digest raise (a 500)."""
+def keyed_status(tokenizer_dir, triton, header: bytes) -> int:
+    """The status of GET /v1/models with this Authorization header (none when empty), the layer's key "clef"."""
     import asyncio
 
     import httpx2
@@ -415,5 +414,22 @@ def test_a_wrong_api_key_is_401_whatever_bytes_it_holds(tokenizer_dir, triton, h
             headers = [(b"authorization", value)] if value else []
             return (await http.get("/v1/models", headers=headers)).status_code
 
-    assert asyncio.run(get(header)) == 401
-    assert asyncio.run(get(b"Bearer clef")) == 200
+    return asyncio.run(get(header))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"Bearer \xe9", "Bearer clé".encode(), b"Bearer wrong", b"", b"clef", b"Basic clef", b"Bearerclef", b"Bearer"],
+)
+def test_a_wrong_api_key_is_401_whatever_bytes_it_holds(tokenizer_dir, triton, header):
+    """An HTTP header may carry any byte; compared as text, a non-ASCII one made compare_digest raise (a 500). The
+    key alone, without the Bearer scheme, or under another scheme, is no Bearer credential either."""
+    assert keyed_status(tokenizer_dir, triton, header) == 401
+    assert keyed_status(tokenizer_dir, triton, b"Bearer clef") == 200
+
+
+@pytest.mark.parametrize("header", [b"bearer clef", b"BEARER clef", b"BeArEr clef", b"Bearer   clef ", b"Bearer\tclef"])
+def test_the_bearer_scheme_is_case_insensitive(tokenizer_dir, triton, header):
+    """RFC 7235 section 2.1: an authentication scheme is a case-insensitive token (RFC 6750 names it "Bearer"), then
+    whitespace, then the credentials."""
+    assert keyed_status(tokenizer_dir, triton, header) == 200
