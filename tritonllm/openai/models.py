@@ -194,6 +194,12 @@ class SamplingRequest(Body):
 
     def check_supported(self, vocab_size: int, engine_additions: bool = True) -> None:
         """Refuse, before any request is sent, what this server cannot honour or the models would refuse."""
+        if self.stream_options is not None and not self.stream:  # OpenAI's rule and wording
+            raise APIError(
+                ErrorKind.INVALID_INPUT,
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+                param="stream_options",
+            )
         for name, neutral in UNSUPPORTED.items():
             if name in type(self).model_fields and getattr(self, name) not in neutral:
                 raise invalid(name, "is not supported by this server")

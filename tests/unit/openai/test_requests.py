@@ -224,6 +224,16 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(fields, param):
     refused(chat(**fields), param)
 
 
+def test_stream_options_needs_stream():
+    """OpenAI's rule, one for both bodies: `stream_options` only with `stream: true` (null stays accepted)."""
+    for request in (chat, completion):
+        error = refused(request(stream_options={"include_usage": True}), "stream_options")
+        assert "'stream' is enabled" in str(error)
+        refused(request(stream=False, stream_options={}), "stream_options")
+        request(stream=True, stream_options={"include_usage": True}).check_supported(VOCAB)
+        request(stream_options=None).check_supported(VOCAB)
+
+
 def test_best_of_and_suffix():
     completion(best_of=2, n=2).check_supported(VOCAB)
     refused(completion(best_of=3), "best_of")

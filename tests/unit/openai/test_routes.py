@@ -182,6 +182,25 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(tokenizer_dir, t
     assert chat(layer).usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_stream_options_without_stream_is_a_400_naming_it(layer, triton):
+    """As OpenAI's API answers: `stream_options` is only allowed with `stream` on, on both endpoints, and nothing
+    reaches Triton."""
+    options = {"stream_options": {"include_usage": True}}
+    error = refused(
+        layer, lambda client: client.completions.create(model=MODEL, prompt="Hi", **options), "stream_options"
+    )
+    assert error.body["type"] == "invalid_request_error" and "'stream'" in error.body["message"]
+    refused(
+        layer, lambda client: client.chat.completions.create(model=MODEL, messages=USER, **options), "stream_options"
+    )
+    refused(
+        layer,
+        lambda client: client.chat.completions.create(model=MODEL, messages=USER, stream=False, **options),
+        "stream_options",
+    )
+    assert triton.requests == []
+
+
 def test_every_control_reaches_triton(layer, triton):
     chat(
         layer,
