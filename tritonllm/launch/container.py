@@ -17,7 +17,7 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
-from tritonllm.launch.server_command import CONTAINER_BINARY, admin_key, server_command
+from tritonllm.launch.server_command import ADMIN_KEY_FILE, CONTAINER_BINARY, admin_key, server_command
 from tritonllm.launch.tritonserver import probe_engine
 from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
 from tritonllm.repository import builder
@@ -92,7 +92,7 @@ def launch_command(build_dir: Path, exit_timeout: int, in_image: bool = True) ->
         address="0.0.0.0",
         ports=PORTS,
         build_options=manifest.get("server_options", []),
-        admin_key=admin_key("0.0.0.0", os.environ.get("TRITONLLM_ADMIN_KEY"), "launch"),
+        admin_key=admin_key("0.0.0.0", os.environ.get("TRITONLLM_ADMIN_KEY"), "launch", build_dir / ADMIN_KEY_FILE),
         exit_timeout=exit_timeout,
         world_size=world_size,
         engine_model=manifest.get("engine_model", DECOUPLED_ENGINE_MODEL),

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from tritonllm.launch.pytriton_wheel import ServerError
-from tritonllm.launch.server_command import add_address_options, admin_key
+from tritonllm.launch.server_command import ADMIN_KEY_FILE, add_address_options, admin_key
 from tritonllm.launch.tritonserver import OpenAIFrontend, TritonServer, probe_engine
 from tritonllm.repository.render import stale_build
 
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         "--admin-key",
         default=os.environ.get("TRITONLLM_ADMIN_KEY"),
         help="restrict the model-repository, shared-memory, logging and trace APIs to requests with header "
-        "tritonllm-admin-key: KEY (default: $TRITONLLM_ADMIN_KEY; a random key is made when --host is not loopback)",
+        "tritonllm-admin-key: KEY (default: $TRITONLLM_ADMIN_KEY; when --host is not loopback, a random key, "
+        f"written to {ADMIN_KEY_FILE} beside the repository, readable by this user only)",
     )
     parser.add_argument(
         "--watchdog-seconds",
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if manifest is not None and (why := stale_build(manifest)):
         print(f"serve: {repository.parent}: {why}: run `make build` again", file=sys.stderr)
         return 2
-    args.admin_key = admin_key(args.host, args.admin_key, "serve")
+    args.admin_key = admin_key(args.host, args.admin_key, "serve", repository.parent / ADMIN_KEY_FILE)
     server = TritonServer(
         repository,
         repository.parent / "tritonserver",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -79,11 +81,16 @@ def server_command(
 
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 ADMIN_HEADER = "tritonllm-admin-key"
+ADMIN_KEY_FILE = "admin-key"  # where a generated key is written: beside the build's model repository
 
 
 def restricted_api_flags(key: str | None) -> list[str]:
     """Triton's own restricted-API options: loading/unloading models, shared memory, logging and
-    tracing answer only requests that carry the key (inference, health and metadata stay open)."""
+    tracing answer only requests that carry the key (inference, health and metadata stay open).
+
+    tritonserver 2.51 takes the key on its command line only (no option reads it from a file or the environment), so
+    any user of the host reads it with `ps`, a containerized server's too; inside a container, only that container's
+    processes see it (docs/deploy.md)."""
     if not key:
         return []
     return [
@@ -96,15 +103,34 @@ def is_loopback(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
-def admin_key(host: str, given: str | None, who: str) -> str | None:
+def write_private(path: Path, text: str) -> None:
+    """`text` as the file `path`, readable by this user only (0600): written to a new temporary file beside it
+    (mkstemp: O_CREAT | O_EXCL, mode 0600), then renamed over it, so that no reader sees a wider mode or part of
+    the text, and a link left at `path` is replaced rather than written through."""
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def admin_key(host: str, given: str | None, who: str, key_file: Path) -> str | None:
     """The key the administrative APIs need: the one given, or when the server listens beyond loopback, a random
-    one, printed (`who` says which launcher), so that no address reachable from outside serves them open."""
+    one, so that no address reachable from outside serves them open. A random key is written to `key_file`
+    (readable by this user only), and only that file's path is printed (`who` says which launcher): stdout is a
+    container's log."""
     if given or is_loopback(host):
         return given or None
     key = secrets.token_urlsafe(24)
+    write_private(key_file, key + "\n")
     print(
-        f"{who}: listening on {host}: the administrative APIs need header {ADMIN_HEADER}: {key} "
-        "(set TRITONLLM_ADMIN_KEY to choose it)",
+        f"{who}: listening on {host}: the administrative APIs need header {ADMIN_HEADER} with the key in {key_file} "
+        "(readable by this user only; set TRITONLLM_ADMIN_KEY to choose the key)",
         flush=True,
     )
     return key

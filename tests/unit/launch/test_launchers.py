@@ -1,8 +1,11 @@
 """The launchers: the watchdog restarts with the first start's load timeout; no launcher serves the admin APIs open."""
 
+import stat
 import subprocess
+from pathlib import Path
 
 from tritonllm.launch import serve
+from tritonllm.launch.server_command import ADMIN_HEADER, ADMIN_KEY_FILE, admin_key
 
 
 class StubServer:
@@ -34,8 +37,16 @@ def test_a_restart_waits_as_long_as_the_first_start(monkeypatch):
     assert server.kills == 1 and server.starts == [900.0]
 
 
+def private_key_in(path: Path) -> str:
+    """The key a launcher wrote to `path`, checking that only its user may read the file."""
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    return path.read_text().strip()
+
+
 def test_the_image_entrypoint_never_serves_the_admin_apis_open(tmp_path, monkeypatch, capsys):
-    """It listens on 0.0.0.0: without TRITONLLM_ADMIN_KEY it makes a key, prints it and restricts the APIs."""
+    """It listens on 0.0.0.0: without TRITONLLM_ADMIN_KEY it makes a key, restricts the APIs, and writes the key to
+    a file beside the build's repository (readable by its user only), whose path it prints, never the key itself:
+    stdout is the container's log."""
     import json
 
     from tritonllm.launch import container
@@ -48,7 +59,61 @@ def test_the_image_entrypoint_never_serves_the_admin_apis_open(tmp_path, monkeyp
     (command,) = ran
     [flag] = [f for f in command if f.startswith("--http-restricted-api=")]
     key = flag.rsplit("=", 1)[1]
-    assert len(key) >= 24 and f"tritonllm-admin-key: {key}" in capsys.readouterr().out
+    assert len(key) >= 24 and private_key_in(tmp_path / ADMIN_KEY_FILE) == key
+    out = capsys.readouterr().out
+    assert key not in out and ADMIN_HEADER in out and str(tmp_path / ADMIN_KEY_FILE) in out
+
+
+def test_a_generated_admin_key_replaces_its_file_whole_and_never_follows_a_link(tmp_path, capsys):
+    """Each start makes a new key: it replaces the file (a temporary file, then a rename), so a reader never sees a
+    wider mode or half a key, and a link left at that path is replaced, not written through."""
+    key_file = tmp_path / ADMIN_KEY_FILE
+    key_file.write_text("old key\n")
+    key_file.chmod(0o644)
+    first = admin_key("0.0.0.0", None, "serve", key_file)
+    assert private_key_in(key_file) == first and "old key" not in key_file.read_text()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("untouched")
+    key_file.unlink()
+    key_file.symlink_to(elsewhere)
+    second = admin_key("::", None, "serve", key_file)
+    assert second != first and not key_file.is_symlink() and private_key_in(key_file) == second
+    assert elsewhere.read_text() == "untouched"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ADMIN_KEY_FILE, "elsewhere"]  # no temporary file left
+    assert first not in capsys.readouterr().out
+
+
+def test_a_given_key_or_loopback_writes_no_key_file(tmp_path, capsys):
+    key_file = tmp_path / ADMIN_KEY_FILE
+    assert admin_key("0.0.0.0", "chosen", "serve", key_file) == "chosen"
+    assert admin_key("127.0.0.1", None, "serve", key_file) is None
+    assert not key_file.exists() and capsys.readouterr().out == ""
+
+
+def test_serve_writes_the_generated_key_beside_the_repository(tmp_path, monkeypatch, capsys):
+    """`make serve HOST=0.0.0.0` without a key: the server gets the key, build/admin-key holds it, the log does not."""
+    from tritonllm.launch.pytriton_wheel import ServerError
+
+    started = []
+
+    class Server:
+        def __init__(self, repository, *args, admin_key=None) -> None:
+            started.append(admin_key)
+
+        def start(self, timeout):
+            raise ServerError("not here")
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(serve, "TritonServer", Server)
+    monkeypatch.delenv("TRITONLLM_ADMIN_KEY", raising=False)
+    (tmp_path / "model_repository").mkdir()
+    arguments = ["--repository", str(tmp_path / "model_repository"), "--host", "0.0.0.0", "--openai-port", "0"]
+    assert serve.main(arguments) == 1
+    (key,) = started
+    assert key and private_key_in(tmp_path / ADMIN_KEY_FILE) == key
+    assert key not in capsys.readouterr().out
 
 
 def test_the_openai_layer_for_a_trtllm_build_sends_none_of_the_portable_additions(monkeypatch, tmp_path):
