@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import os
 import secrets
@@ -184,6 +185,21 @@ def create_app(settings: Settings, generator: Generator | None = None) -> FastAP
     return app
 
 
+def loopback_only(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to any address
+        return False
+
+
+def open_layer_warning(host: str, port: int) -> str:
+    return (
+        f"openai: warning: listening on {host}:{port} without an API key: anyone who can reach this port can use "
+        "the model; set TRITONLLM_API_KEY or --api-key (make serve API_KEY=...) to require `Authorization: Bearer KEY`"
+    )
+
+
 SETTINGS_VARIABLE = "TRITONLLM_OPENAI_SETTINGS"  # the settings, as JSON, for the worker processes uvicorn starts
 
 
@@ -275,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_class=args.tokenizer_class,
         repository=args.repository,
     )
+    if not settings.api_key and not loopback_only(args.host):
+        print(open_layer_warning(args.host, args.port), file=sys.stderr, flush=True)
     if args.workers == 1:
         if not port_free(args.host, args.port):  # the exit code of several workers', not uvicorn's 1
             return STARTUP_FAILURE
