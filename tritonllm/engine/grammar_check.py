@@ -30,19 +30,35 @@ def xgrammar_reason(exc: Exception) -> str:
 
 
 def not_compiling(kind: str, exc: Exception) -> InputError:
-    return InputError(GUIDE_FIELD, f"the {kind} guide does not compile: {xgrammar_reason(exc)}")
+    return refused(kind, xgrammar_reason(exc))
+
+
+def refused(kind: str, reason: str) -> InputError:
+    return InputError(GUIDE_FIELD, f"the {kind} guide does not compile: {reason}")
 
 
 def compile_too_slow(kind: str, seconds: float) -> InputError:
     return InputError(GUIDE_FIELD, f"the {kind} guide did not compile within the limit of {seconds:g} s")
 
 
-@lru_cache(maxsize=CHECKED_GUIDES_KEPT)
 def check_guide(kind: str, text: str) -> None:
     """InputError naming guided_decoding_guide unless xgrammar compiles the guide (a type of protocol.GUIDE_TYPES;
     "json", any JSON, has nothing to compile)."""
     if kind == "json":
         return
+    try:
+        reason = compile_failure(kind, text)
+    except MemoryError as exc:  # not the guide's verdict, so not kept: it may compile once memory is back
+        raise not_compiling(kind, exc) from None
+    if reason is not None:
+        raise refused(kind, reason)
+
+
+@lru_cache(maxsize=CHECKED_GUIDES_KEPT)
+def compile_failure(kind: str, text: str) -> str | None:
+    """Why xgrammar refuses the guide, None when it compiles. Kept for both: a verdict depends on the guide alone, and
+    a client that repeats a bad one (a large grammar refused at its end) would otherwise pay its parse each time. An
+    lru_cache keeps no exception, hence a reason returned rather than raised."""
     import xgrammar
 
     build = {
@@ -52,5 +68,8 @@ def check_guide(kind: str, text: str) -> None:
     }[kind]
     try:
         build(text)
+    except MemoryError:
+        raise
     except Exception as exc:
-        raise not_compiling(kind, exc) from None
+        return xgrammar_reason(exc)
+    return None
