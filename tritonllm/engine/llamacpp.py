@@ -416,7 +416,14 @@ class LlamaCppEngine(BlockingGenerate):
             if sequence.controls is None:
                 token, log_probs = greedy_token(logits[row], int(best[row]), sequence.request, sequence.tokens), None
             else:
-                token, log_probs = sequence.controls.choose(logits[row], sequence.tokens)
+                try:
+                    token, log_probs = sequence.controls.choose(logits[row], sequence.tokens)
+                except Exception as exc:  # this request's controls: it fails alone, the step goes on for the others
+                    log.exception("request %s: its controls failed", sequence.request_id)
+                    with self._lock:
+                        if not sequence.done:
+                            self._finish(sequence, FINISH_ERROR, f"internal error in the request's controls: {exc}")
+                    continue
             self._advance(sequence, token, log_probs, now)
 
     def _advance(self, sequence: _Sequence, token: int, log_probs: TokenLogProbs | None, now: float) -> None:

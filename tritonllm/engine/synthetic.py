@@ -12,6 +12,7 @@ honour it refuses, naming the input: sampling, penalties, biases, log probabilit
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import zlib
@@ -22,8 +23,11 @@ from dataclasses import dataclass
 from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, SubmitRules
 from tritonllm.engine.checks import check_submit
 from tritonllm.engine.lifecycle import Lifecycle
+from tritonllm.errors import EngineFailure
 from tritonllm.options import option
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
+
+log = logging.getLogger(__name__)
 
 SYNTHETIC_CONFIG_FILE = "synthetic_engine.json"  # beside the engine model, where the portable one has engine.json
 # What the synthetic engine writes, cycled; each request starts at an offset chosen by its prompt. Mixed scripts so
@@ -77,6 +81,7 @@ class SyntheticEngine(BlockingGenerate):
         self._batch: dict[str, _Sequence] = {}
         self._work = threading.Event()
         self._stopping = threading.Event()
+        self._stopped: str | None = None  # why the engine takes no more requests (_fail_all)
         self._loop_thread = threading.Thread(target=self._loop, name="synthetic-engine", daemon=True)
         self._loop_thread.start()
 
@@ -84,7 +89,9 @@ class SyntheticEngine(BlockingGenerate):
         check_submit(request, self.submit_rules)
         request_id = f"s{next(self._ids)}"
         start = zlib.crc32(bytes(str(request.input_ids), "ascii")) % len(self.config.text_ids)
-        with self._lock:
+        with self._lock:  # under the lock _fail_all holds: a request is refused here or finished there, never lost
+            if self._stopped is not None:
+                raise EngineFailure(f"{self._stopped} (see the server log)")
             self._sequences[request_id] = _Sequence(start, request=request, emit=emit)
             self._waiting.append(request_id)
         self._work.set()
@@ -109,13 +116,25 @@ class SyntheticEngine(BlockingGenerate):
         self._stopping.set()
         self._work.set()
         self._loop_thread.join(timeout=5)
+        self._fail_all("the engine is shutting down")
+
+    def _fail_all(self, error: str) -> None:
+        """Ends every request with `error`; the engine takes no more (submit raises)."""
         with self._lock:
+            self._stopped = error
             for request_id in list(self._sequences):
-                self._take(request_id).finish(FINISH_ERROR, "the engine is shutting down")
+                self._take(request_id).finish(FINISH_ERROR, error)
 
     # ------------------------------------------------------------------ the step loop
 
     def _loop(self) -> None:
+        try:
+            self._steps()
+        except Exception as exc:  # a bug: every request learns it, none waits forever; alive() now says False
+            log.exception("the synthetic engine's step loop failed")
+            self._fail_all(f"the engine's step loop failed: {exc}")
+
+    def _steps(self) -> None:
         next_step = time.monotonic()
         while not self._stopping.is_set():
             if not self._sequences:
