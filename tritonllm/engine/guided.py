@@ -53,13 +53,22 @@ class Follower:
         """Lets the matcher take a generated token; False once it has lost the request."""
         if self.lost is not None:
             return False
-        # A terminated matcher took its stop token; what follows (only stop tokens) is not its to take.
-        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+        try:
+            # A terminated matcher took its stop token; what follows (only stop tokens) is not its to take.
+            refused = not self.matcher.is_terminated() and not self.matcher.accept_token(token)
+        except Exception as exc:  # this request's matcher: it fails the request, not the step every request shares
+            self._failed(exc)
+            return False
+        if refused:
             self.lost = self._refusal(token)
             log.warning("request %s: %s", request_id, self.lost)
             return False
         self.accepted += 1
         return True
+
+    def _failed(self, exc: Exception) -> None:
+        log.exception("a guided request's grammar matcher failed: the request fails alone")
+        self.lost = f"internal error: the guide's grammar matcher failed after {self.accepted} tokens: {exc}"
 
     def _refusal(self, token: int) -> str:
         """Why the grammar refused `token`: its mask kept nothing the request's bans left, so the step chose outside
@@ -78,13 +87,17 @@ class Follower:
         """Row `row` of an int32 token bitmask: the tokens the grammar allows next; once it lost the request, only
         its stop tokens, so that the request ends at once and the engine fails it."""
         matcher = self.matcher
+        if self.lost is None:
+            try:
+                if not matcher.is_terminated():
+                    matcher.fill_next_token_bitmask(mask, row)
+                    return
+            except Exception as exc:
+                self._failed(exc)
         # A terminated matcher's request goes on after its stop token; a lost one's is to end: only stop tokens.
-        if matcher.is_terminated() or self.lost is not None:
-            mask[row].zero_()
-            for token in matcher.stop_token_ids:
-                mask[row, token // 32] |= BITS[token % 32]
-        else:
-            matcher.fill_next_token_bitmask(mask, row)
+        mask[row].zero_()
+        for token in matcher.stop_token_ids:
+            mask[row, token // 32] |= BITS[token % 32]
 
 
 @dataclass(eq=False)

@@ -305,3 +305,57 @@ def test_the_mask_unpacks_xgrammars_bits():
     expected = scores.clone()
     xgrammar.apply_token_bitmask_inplace(expected, group.mask, indices=[0, 2])
     assert torch.equal(out, expected)
+
+
+class FailingMatcher:
+    """A grammar matcher whose `method` raises from its call number `after` + 1 on; the rest is the matcher's."""
+
+    def __init__(self, matcher, method: str, after: int) -> None:
+        self.matcher, self.method, self.after, self.calls = matcher, method, after, 0
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self.matcher, name)
+        if name != self.method:
+            return attribute
+
+        def failing(*args):
+            self.calls += 1
+            if self.calls > self.after:
+                raise RuntimeError("injected matcher fault")
+            return attribute(*args)
+
+        return failing
+
+
+@pytest.mark.parametrize("method", ["accept_token", "fill_next_token_bitmask"])
+@pytest.mark.parametrize("engine_name", ["engine", "llama"], ids=["transformers", "llamacpp"])
+def test_a_grammar_matcher_fault_fails_its_request_alone(request, monkeypatch, tokenizer, engine_name, method):
+    """xgrammar's matcher runs inside the step every request shares: its fault is the guided request's alone, the
+    request beside it keeps to its guide and the engine serves on."""
+    engine = request.getfixturevalue(engine_name)
+    guides = engine.guides if engine_name == "engine" else engine._guides_ready()
+    faulty, sound = Guide("regex", "(yes|no|maybe)( indeed)?"), Guide("regex", "(yes|no)")
+    faulty_grammar = guides.compile(faulty)
+    start = Guides.start
+
+    def start_faulty(self, request_id, compiled, *args) -> None:
+        start(self, request_id, compiled, *args)
+        if compiled is faulty_grammar:
+            follower = self.follower(request_id)
+            follower.matcher = FailingMatcher(follower.matcher, method, after=1)
+
+    monkeypatch.setattr(Guides, "start", start_faulty)
+    ids, end = chat_ids(tokenizer, "Is Paris in France?"), tokenizer.eos_token_id
+    bad = GenerationRequest(ids, 24, end_id=end, guide=faulty)
+    good = GenerationRequest(ids, 24, end_id=end, guide=sound, streaming=True)
+    (bad_done, bad_emissions), (good_done, good_emissions) = submitted(engine, bad), submitted(engine, good)
+    assert bad_done.wait(180) and good_done.wait(180)
+    failed = bad_emissions[-1]
+    assert failed.finish_reason == FINISH_ERROR and "grammar matcher failed" in failed.error, failed
+    assert "injected matcher fault" in failed.error
+    assert good_emissions[-1].finish_reason == FINISH_EOS
+    assert tokenizer.decode([t for e in good_emissions for t in e.token_ids]) in ("yes", "no")
+    assert engine.alive() and eventually(lambda: engine.running() == 0, 10)
+    monkeypatch.undo()
+    text, reason = guided(engine, tokenizer, "Is Paris in France?", faulty, n=8)
+    assert reason == FINISH_EOS and re.fullmatch(faulty.text, text)
