@@ -127,7 +127,13 @@ def admin_key(host: str, given: str | None, who: str, key_file: Path) -> str | N
     if given or is_loopback(host):
         return given or None
     key = secrets.token_urlsafe(24)
-    write_private(key_file, key + "\n")
+    try:
+        write_private(key_file, key + "\n")
+    except OSError as exc:  # a read-only build folder (a mounted volume): say what to do, not a traceback
+        raise SystemExit(
+            f"{who}: listening on {host}, the administrative APIs need a key, and the generated one cannot be written "
+            f"to {key_file} ({exc.strerror or exc}): set TRITONLLM_ADMIN_KEY to choose the key"
+        ) from None
     print(
         f"{who}: listening on {host}: the administrative APIs need header {ADMIN_HEADER} with the key in {key_file} "
         "(readable by this user only; set TRITONLLM_ADMIN_KEY to choose the key)",

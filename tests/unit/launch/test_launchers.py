@@ -4,6 +4,8 @@ import stat
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tritonllm.launch import serve
 from tritonllm.launch.server_command import ADMIN_HEADER, ADMIN_KEY_FILE, admin_key
 
@@ -88,6 +90,14 @@ def test_a_given_key_or_loopback_writes_no_key_file(tmp_path, capsys):
     assert admin_key("0.0.0.0", "chosen", "serve", key_file) == "chosen"
     assert admin_key("127.0.0.1", None, "serve", key_file) is None
     assert not key_file.exists() and capsys.readouterr().out == ""
+
+
+def test_a_key_file_that_cannot_be_written_stops_the_launcher_saying_what_to_do(tmp_path, capsys):
+    """A read-only build folder (a mounted volume): no server open to all, no traceback, the key never printed."""
+    with pytest.raises(SystemExit) as stopped:
+        admin_key("0.0.0.0", None, "launch", tmp_path / "missing" / ADMIN_KEY_FILE)
+    assert "TRITONLLM_ADMIN_KEY" in str(stopped.value) and str(tmp_path / "missing") in str(stopped.value)
+    assert capsys.readouterr().out == ""
 
 
 def test_serve_writes_the_generated_key_beside_the_repository(tmp_path, monkeypatch, capsys):
