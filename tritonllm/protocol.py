@@ -160,6 +160,9 @@ def request_tensors(
     return tensors
 
 
+HEALTH_PROBE_ID = "tritonllm-health-probe"  # the request id of the health probe's `stop` (tritonllm/engine/health.py)
+
+
 def stop_request_tensors() -> Tensors:
     """TensorRT-LLM's `stop` request: ends the request of the same request id (both engines answer it at once)."""
     one = np.ones((1, 1), dtype=np.int32)

@@ -53,10 +53,12 @@ from tritonllm.engine.api import (
     EngineConfig,
     GenerationRequest,
 )
+from tritonllm.engine.health import EngineHealth
 from tritonllm.engine.llmapi_config import LLM_API_CONFIG_FILE
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, InputError, ServerBusy
+from tritonllm.protocol import HEALTH_PROBE_ID
 from tritonllm.text.model_config import flag
 from tritonllm.text.wire import Limits, scalar
 
@@ -163,6 +165,7 @@ class EngineModel:
         self.engine, what = load_engine(folder, device, self._stop_calls, self._take_records)
         # The batching manager's first step is slow (allocation, kernel selection): pay it now.
         self.engine.generate(GenerationRequest(input_ids=[0] * 16, max_new_tokens=4), timeout=300)
+        self._health = EngineHealth(self.engine)
         log_info(f"tensorrt_llm: {what}, ready in {time.perf_counter() - started:.1f} s")
         # Of the instances sharing an engine, one registers the metrics; the others forward it their records.
         self._reports = self.engine.reports_metrics()
@@ -265,9 +268,17 @@ class EngineModel:
             )
 
     def _stop(self, request_id: str, sender) -> None:
-        """TensorRT-LLM's `stop` input: end the in-flight requests that carry this request id."""
+        """TensorRT-LLM's `stop` input: end the in-flight requests that carry this request id; the health probe's
+        (tritonllm.launch.tritonserver.probe_engine) is answered from the engine's health."""
         if not request_id:
             raise InputError("stop", "a stop request must carry the id of the request to stop")
+        if request_id == HEALTH_PROBE_ID:
+            problem = self._health.problem()
+            if problem:
+                sender.send(error_response(EngineFailure(problem)), flags=FINAL)
+            else:
+                sender.send(flags=FINAL)
+            return
         if not self.engine.alive():  # so the health probe (tritonllm.launch.tritonserver.probe_engine) fails
             sender.send(error_response(EngineFailure("the engine's generation loop has stopped")), flags=FINAL)
             return

@@ -337,6 +337,14 @@ class BlockingGenerate:
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         raise NotImplementedError
 
+    def cancel(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def steps(self) -> int | None:
+        """Steps the engine has finished, a count that rises while it generates (tritonllm/engine/health.py tells a
+        stuck step by it); None for an engine that cannot tell."""
+        return None
+
     def captured_graphs(self) -> int:
         """CUDA graphs the engine holds (the engine model's gauge); none but the transformers engine's on CUDA."""
         return 0

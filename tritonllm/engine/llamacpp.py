@@ -205,6 +205,7 @@ class LlamaCppEngine(BlockingGenerate):
         self._kept_cells = 0
         self._work = threading.Event()
         self._stopping = threading.Event()
+        self._steps = 0  # finished, for the health probe
         self._stopped: str | None = None  # why the engine takes no more requests (_fail_all)
         self._loop_thread = threading.Thread(target=self._loop, name="llamacpp-engine", daemon=True)
         # The step thread and llama.cpp's CPU threads, which it starts, yield the cores to the stream's other steps.
@@ -284,6 +285,9 @@ class LlamaCppEngine(BlockingGenerate):
     def alive(self) -> bool:
         return self._loop_thread.is_alive()
 
+    def steps(self) -> int:
+        return self._steps
+
     def shutdown(self) -> None:
         self._stopping.set()
         self._work.set()
@@ -304,6 +308,7 @@ class LlamaCppEngine(BlockingGenerate):
                     self._work.clear()
                     continue
                 self._step()
+                self._steps += 1
         except Exception as exc:  # a bug or a failed decode: every request learns it, none waits forever
             log.exception("the llama.cpp engine's step loop failed")
             self._fail_all(f"the engine's step loop failed: {exc}")

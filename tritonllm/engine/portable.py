@@ -239,6 +239,10 @@ class PortableEngine(BlockingGenerate):
         """Whether the generation loop runs (when it stops, the router fails every request and ends)."""
         return self._router.is_alive()
 
+    def steps(self) -> int | None:
+        """The batching manager's count of the steps its loop has run (a public attribute of transformers')."""
+        return getattr(self._manager, "current_batch", None)
+
     def captured_graphs(self) -> int:
         """CUDA graphs held: one per step shape and processing met so far, in each step buffer set (two under
         asynchronous batching). They are kept for the engine's life; a rising count means steps pay captures."""

@@ -292,8 +292,8 @@ class EngineServer:
 
     def _send_loop(self, conn: Connection, number: int, outgoing: queue.SimpleQueue) -> None:
         """One message per wake-up: every emission queued for this connection since the last one, the messages of
-        other connections relayed to it, and the load: (in batch, CUDA graphs, requests of all connections, this
-        connection's, open connections but this one if it is closing)."""
+        other connections relayed to it, and the load: (in batch, CUDA graphs, the engine's finished steps, requests of
+        all connections, this connection's, open connections but this one if it is closing)."""
         closed = False
         while not closed:
             try:
@@ -308,7 +308,7 @@ class EngineServer:
             closed = _CLOSED in items
             emissions = [i for i in items if i is not _CLOSED and i[0] is not None]
             relayed = [i[1] for i in items if i is not _CLOSED and i[0] is None]
-            engine = (self.engine.in_batch(), self.engine.captured_graphs())
+            engine = (self.engine.in_batch(), self.engine.captured_graphs(), self.engine.steps())
             load = (*engine, *self.requests.load(number), self.connections())
             try:
                 conn.send((EMISSIONS, emissions, load, relayed))

@@ -82,6 +82,7 @@ class SyntheticEngine(BlockingGenerate):
         self._work = threading.Event()
         self._stopping = threading.Event()
         self._stopped: str | None = None  # why the engine takes no more requests (_fail_all)
+        self._finished_steps = 0
         self._loop_thread = threading.Thread(target=self._loop, name="synthetic-engine", daemon=True)
         self._loop_thread.start()
 
@@ -111,6 +112,9 @@ class SyntheticEngine(BlockingGenerate):
 
     def alive(self) -> bool:
         return self._loop_thread.is_alive()
+
+    def steps(self) -> int:
+        return self._finished_steps
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -154,6 +158,7 @@ class SyntheticEngine(BlockingGenerate):
                     self._batch[request_id].scheduled = time.perf_counter()
                 for request_id, sequence in list(self._batch.items()):
                     self._advance(request_id, sequence)
+            self._finished_steps += 1
 
     def _advance(self, request_id: str, sequence: _Sequence) -> None:
         request, text = sequence.request, self.config.text_ids

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tritonllm.launch.pytriton_wheel import ServerError, prepare_backends, pytriton_root, server_env
 from tritonllm.launch.server_command import build_options, server_command
-from tritonllm.protocol import ENGINE_MODEL, infer_inputs, port_in_use, stop_request_tensors
+from tritonllm.protocol import ENGINE_MODEL, HEALTH_PROBE_ID, infer_inputs, port_in_use, stop_request_tensors
 
 
 def metric_samples(text: str, prefix: str = "tritonllm_") -> dict[str, float]:
@@ -147,10 +147,10 @@ class TritonServer:
 
 
 def probe_engine(grpc_url: str, engine_model: str = ENGINE_MODEL, timeout: float = 10.0) -> str | None:
-    """None if the engine answers; else why not. The probe is TensorRT-LLM's `stop` request for an
-    id no request has, which both engines answer at once without generating; sent to tensorrt_llm, it
-    reaches the engine in either deployment (by default through its request/response face, which
-    forwards it)."""
+    """None if the engine answers healthy; else why not. The probe is TensorRT-LLM's `stop` request for an id no
+    request has, which the engine model answers from the engine's health (tritonllm/engine/health.py: its loop runs,
+    a busy engine's steps go on, an idle one generates a token); sent to tensorrt_llm, it reaches the engine in
+    either deployment (by default through its request/response face, which forwards it)."""
     import queue
 
     import tritonclient.grpc as grpcclient
@@ -162,7 +162,7 @@ def probe_engine(grpc_url: str, engine_model: str = ENGINE_MODEL, timeout: float
             triton.start_stream(callback=lambda result, error: answers.put(error))
             try:
                 triton.async_stream_infer(
-                    engine_model, inputs, request_id="tritonllm-health-probe", enable_empty_final_response=True
+                    engine_model, inputs, request_id=HEALTH_PROBE_ID, enable_empty_final_response=True
                 )
                 error = answers.get(timeout=timeout)
             finally:

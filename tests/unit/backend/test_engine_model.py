@@ -55,6 +55,7 @@ class FakeEngine:
         self.relayed: list[str] | None = None  # a list: an engine several instances share, relaying stop requests
         self.reporting = True  # whether the model reports the metrics, or forwards its records (to `forwarded`)
         self.forwarded: list = []
+        self.step_count: int | None = 0  # steps(): what the health probe reads
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         if request.guide is not None:  # as a real engine compiling a new grammar: until the test says
@@ -92,6 +93,9 @@ class FakeEngine:
 
     def captured_graphs(self) -> int:
         return 0
+
+    def steps(self) -> int | None:
+        return self.step_count
 
     def relay_stop(self, request_id: str) -> bool:
         if self.relayed is None:
@@ -147,6 +151,7 @@ def model(pb_utils):
     model.exclude_input = True
     model.capacity = 16
     model.engine = FakeEngine(refuse=7)
+    model._health = engine_model.EngineHealth(model.engine)
     model._live = {}
     model._finished = queue.SimpleQueue()
     model._outbox = InlineOutbox(model._send)
@@ -445,6 +450,33 @@ def test_a_stop_for_an_unknown_id_is_answered_at_once(model, pb_utils):
     model.execute([probe])
     assert probe.sender.sent == [(None, FINAL)]
     assert model.engine.cancels == [] and running.sender.sent == [] and model.engine.running() == 1
+
+
+def test_the_health_probe_fails_for_a_busy_engine_whose_steps_stopped(model, pb_utils):
+    """A wedged step leaves the engine's threads alive: the probe tells it by the step count (engine/health.py)."""
+    model.execute([request(pb_utils, [1, 2], request_id="r1")])
+    model._health.stalled_after = 0.05
+    answers = []
+    for steps in (3, 3, 4, 4):  # the clock starts at a count; a new count restarts it
+        probe = stop_request(pb_utils, "tritonllm-health-probe")
+        model.engine.step_count = steps
+        model.execute([probe])
+        answers.append(probe.sender.sent)
+        time.sleep(0.1)
+    assert answers[0] == answers[2] == [(None, FINAL)]
+    for sent in answers[1], answers[3]:
+        [(response, flags)] = sent
+        assert flags == FINAL and response.error().code() == pb_utils.TritonError.INTERNAL
+        assert "finished no step" in response.error().message()
+
+
+def test_the_health_probe_of_an_idle_engine_generates_a_token(model, pb_utils):
+    probe = stop_request(pb_utils, "tritonllm-health-probe")
+    model._health.generation_timeout = 0.05
+    model.execute([probe])  # the fake engine takes the probe's generation and never answers it
+    [(response, flags)] = probe.sender.sent
+    assert flags == FINAL and "generated no token" in response.error().message()
+    assert model.engine.cancels == ["e0"]
 
 
 def test_a_stop_without_a_request_id_is_invalid_input(model, pb_utils):

@@ -13,6 +13,7 @@ import pytest
 from tests.unit.engine.conftest import chat_ids, submitted
 from tests.unit.engine.test_cpu_engines import make_engine
 from tritonllm.engine.api import LLAMACPP, TRANSFORMERS, GenerationRequest, SamplingParams
+from tritonllm.engine.health import EngineHealth
 from tritonllm.errors import EngineFailure
 from tritonllm.protocol import FINISH_EOS, FINISH_ERROR, FINISH_LENGTH
 
@@ -117,3 +118,43 @@ def test_a_fault_in_one_requests_controls_fails_it_alone(llama, tokenizer):
     assert llama.alive() and llama.running() == 0
     again, emissions = submitted(llama, plain)
     assert again.wait(60) and emissions[-1].finish_reason in (FINISH_EOS, FINISH_LENGTH)
+
+
+def stuck_after(step, steps: int, started: threading.Event, release: threading.Event):
+    """`step`, which from its call number `steps` + 1 on waits for `release` first: a wedged decode."""
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > steps:
+            started.set()
+            release.wait(FAULT_SECONDS)
+        return step(*args, **kwargs)
+
+    return wrapped
+
+
+def test_a_stuck_step_fails_the_health_probe_and_an_idle_engine_proves_it_generates(fresh, tokenizer):
+    """The engine's threads all live while its step is stuck: only its step count says so (engine/health.py)."""
+    engine, impl = fresh
+    health = EngineHealth(engine, stalled_after=0.5)
+    before = engine.steps()
+    assert health.problem() is None and engine.steps() > before, "the idle engine's probe generated nothing"
+    generated = engine.steps()
+    assert health.problem() is None and engine.steps() == generated, "no step since: no second generation"
+    stuck, release = threading.Event(), threading.Event()
+    if impl == LLAMACPP:
+        engine._step = stuck_after(engine._step, 2, stuck, release)
+    elif impl == TRANSFORMERS:
+        engine._manager._generation_step = stuck_after(engine._manager._generation_step, 2, stuck, release)
+    else:
+        engine._advance = stuck_after(engine._advance, 2, stuck, release)
+    done, emissions = submitted(engine, GenerationRequest(chat_ids(tokenizer, "Hi"), 16, end_id=-1))
+    assert stuck.wait(60)
+    assert health.problem() is None  # the clock starts at the first probe that sees the count
+    time.sleep(0.8)
+    problem = health.problem()
+    assert problem is not None and "finished no step" in problem, problem
+    release.set()
+    assert done.wait(60) and emissions[-1].finish_reason == FINISH_LENGTH
+    assert health.problem() is None

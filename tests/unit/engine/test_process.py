@@ -123,6 +123,14 @@ def test_a_stream_arrives_token_by_token_in_order(child):
     assert child.running() == 0
 
 
+def test_the_childs_step_count_reaches_the_parent(child):
+    """What the health probe reads to tell a stuck step in the child (tritonllm/engine/health.py)."""
+    assert eventually(lambda: child.steps() is not None, 10 * LOAD_PERIOD)
+    before = child.steps()
+    child.generate(GenerationRequest([1, 2, 3], 4), timeout=60)
+    assert eventually(lambda: child.steps() >= before + 4, 10 * LOAD_PERIOD)
+
+
 def test_cancel_frees_the_request(child):
     emissions: list[Emission] = []
     request_id = child.submit(GenerationRequest([1, 2, 3], 400, streaming=True), emissions.append)
@@ -206,6 +214,9 @@ class CompilingEngine:
         return 0
 
     def captured_graphs(self) -> int:
+        return 0
+
+    def steps(self) -> int:
         return 0
 
     def shutdown(self) -> None:
