@@ -22,13 +22,13 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from tritonllm.backend.admission import BoundedWorkers
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.triton_glue import (
     FINAL,
@@ -43,7 +43,7 @@ from tritonllm.backend.triton_glue import (
     requested_outputs,
     to_tensors,
 )
-from tritonllm.errors import InputError
+from tritonllm.errors import InputError, ServerBusy
 from tritonllm.protocol import PERF_OUTPUTS, stop_request_tensors
 from tritonllm.text.model_config import flag
 from tritonllm.text.pipeline import Delta, Parts, StreamedRequest
@@ -93,7 +93,7 @@ class StreamingModel:
         repository = Path(args["model_repository"]).parent
         self.parts = Parts.load(repository, params["ensemble_model_name"], flag(params["skip_special_tokens"]))
         self.engine_model = params["engine_model_name"]
-        self.workers = ThreadPoolExecutor(int(params["max_inflight_requests"]), thread_name_prefix="bls")
+        self.workers = BoundedWorkers(int(params["max_inflight_requests"]), "tensorrt_llm_bls")
         # Engine request ids, unique per process: the key of `stop` requests (numeric, as TensorRT-LLM wants).
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._live: dict[int, _Request] = {}
@@ -120,8 +120,12 @@ class StreamingModel:
                 sender.send(error_response(exc), flags=FINAL)
                 continue
             state = _Request(sender, requested_outputs(request))
-            self._live[id(state)] = state
-            self.workers.submit(self._generate, arrays, state)
+            self._live[id(state)] = state  # before its worker can end it
+            try:
+                self.workers.submit(self._generate, arrays, state)
+            except ServerBusy as exc:
+                self._live.pop(id(state), None)
+                sender.send(error_response(exc), flags=FINAL)
         return None
 
     # ------------------------------------------------------------------ the sender thread

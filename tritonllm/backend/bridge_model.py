@@ -11,12 +11,12 @@ the same time (a plain `execute` would run them one after another).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from tritonllm.backend.admission import BoundedWorkers
 from tritonllm.backend.engine_io import stack_rows
 from tritonllm.backend.triton_glue import (
     ENGINE_PARAMETER_INPUTS,
@@ -53,7 +53,7 @@ class BridgeModel:
         self.engine_outputs = {output.name for output in engine.output}
         # Inputs declared with `reshape` arrive without their dims; the engine expects them back.
         self.reshaped = {i["name"]: [int(d) for d in i["dims"]] for i in config["input"] if "reshape" in i}
-        self.workers = ThreadPoolExecutor(int(params["max_inflight_requests"]), thread_name_prefix="bridge")
+        self.workers = BoundedWorkers(int(params["max_inflight_requests"]), "tensorrt_llm")
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -71,10 +71,9 @@ class BridgeModel:
                 outputs = [name for name in asked if name in self.engine_outputs]
                 pad = arrays.get("pad_id")
                 pad_id = int(pad.reshape(-1)[0]) if pad is not None else 0
+                self.workers.submit(self._forward, rows, outputs, wanted, pad_id, request.request_id(), sender)
             except Exception as exc:
                 sender.send(error_response(exc), flags=FINAL)
-                continue
-            self.workers.submit(self._forward, rows, outputs, wanted, pad_id, request.request_id(), sender)
         return None
 
     def _rows(self, arrays: dict[str, np.ndarray]) -> list[list]:

@@ -136,7 +136,9 @@ class BuildPlan:
             "max_seq_len": str(self.max_seq_len),
             "vocab_size": str(self.vocab_size),
             "max_beam_width": str(self.max_beam_width),
-            "max_inflight_requests": str(8 * self.max_batch_size),
+            # A text model's requests at once, each on a thread, past which it answers busy (backend/admission.py):
+            # enough that one instance can fill the engine's batch and queue, whose own limit then answers first.
+            "max_inflight_requests": str(max(8 * self.max_batch_size, self.max_batch_size + self.queue_size)),
             "max_queue_size": str(self.queue_size),
             "engine_model": self.engine_model,
             "guided_decoding": self.guided_decoding,

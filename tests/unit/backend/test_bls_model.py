@@ -212,3 +212,26 @@ def test_each_engine_response_reaches_the_pipeline_and_its_delta_the_outbox_in_o
     ] * 3
     (request,) = pb_utils.bls_requests
     assert request.input("input_ids").tolist() == [[1, 2]]
+
+
+def test_bls_refuses_a_request_past_max_inflight_requests_as_busy(bls, pb_utils):
+    """D4: past its worker threads a request waited in the pool's unbounded queue; now it is a 429 at once."""
+    import threading
+
+    from tritonllm.backend.admission import BoundedWorkers
+
+    _, model = bls
+    model.workers = BoundedWorkers(1, "tensorrt_llm_bls")
+    release, reached = threading.Event(), threading.Event()
+    model._generate = lambda arrays, state: (reached.set(), release.wait(10))
+    text = {"text_input": np.array([[b"hi"]], dtype=object), "max_tokens": np.array([[4]], np.int32)}
+    first, second = pb_utils.Request(dict(text)), pb_utils.Request(dict(text))
+    model.execute([first])
+    assert reached.wait(10)
+    model.execute([second])
+    (error,) = second.sender.errors()
+    assert ErrorKind.of_message(error.message()) is ErrorKind.BUSY and "max_inflight_requests" in error.message()
+    assert second.sender.closed and len(model._live) == 1, "the refused request is not kept"
+    release.set()
+    model.workers.shutdown()
+    assert model.workers.in_flight() == 0

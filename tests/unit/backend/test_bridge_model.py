@@ -119,3 +119,30 @@ def test_unloading_answers_every_request_it_took(face, pb_utils):
     face.execute(requests)
     face.finalize()
     assert all(len(r.sender.sent) == 1 and r.sender.closed for r in requests)
+
+
+def test_a_request_past_max_inflight_requests_is_refused_busy_not_queued(face, pb_utils):
+    """D4: a plain pool queued it without bound: ever-growing latency under overload, never a 429."""
+    import threading
+
+    from tritonllm.backend.admission import BoundedWorkers
+
+    face.workers = BoundedWorkers(1, "tensorrt_llm")
+    release, reached = threading.Event(), threading.Event()
+
+    def held(request):
+        reached.set()
+        assert release.wait(10)
+        return engine_answer([5])
+
+    pb_utils.bls_handler = held
+    first, second = ask(pb_utils, [[1, 2]], ["output_ids"]), ask(pb_utils, [[1, 2]], ["output_ids"])
+    face.execute([first])
+    assert reached.wait(10)
+    face.execute([second])
+    (error,) = second.sender.errors()
+    assert ErrorKind.of_message(error.message()) is ErrorKind.BUSY and "max_inflight_requests" in error.message()
+    assert error.code() == pb_utils.TritonError.UNAVAILABLE and second.sender.closed
+    release.set()
+    face.workers.shutdown()
+    assert len(first.sender.sent) == 1 and not first.sender.errors() and face.workers.in_flight() == 0
