@@ -1,12 +1,12 @@
 """Memory soak: does any server process keep growing under a long mixed load (Triton's qa/L0_memory_growth, here)?
 
-Starts tritonserver on BUILD's repository (and the OpenAI layer, unless --no-openai) on free loopback ports, warms
-every request kind up at the soak's concurrency (so caches, arenas and buffers reach their working size), then
-sends a seeded mix for --seconds (or --requests), --concurrency at a time: streams (`tensorrt_llm_bls`, gRPC),
-whole answers (`ensemble`, HTTP), streams the client cancels after their first response, guided answers (regex,
-grammar, JSON schema), sampled ones, prompts near the build's input limit, HTTP requests whose socket closes before
-the answer, and OpenAI chat streams. The resident memory (VmRSS) of tritonserver and of each process under it
-(every Python-backend stub, by the model it serves; an engine process) and of the OpenAI layer is read after the
+Starts tritonserver on BUILD's repository (and the OpenAI layer, unless --kinds leaves it out) on free loopback
+ports, warms every request kind up at the soak's concurrency (so caches, arenas and buffers reach their working
+size), then sends a seeded mix for --seconds (or --requests), --concurrency at a time: streams (`tensorrt_llm_bls`,
+gRPC), whole answers (`ensemble`, HTTP), streams the client cancels after their first response, guided answers
+(regex, grammar, JSON schema), sampled ones, prompts near the build's input limit, HTTP requests whose socket closes
+before the answer, and OpenAI chat streams. The resident memory (VmRSS) of tritonserver and of each process under
+it (every Python-backend stub, by the model it serves; an engine process) and of the OpenAI layer is read after the
 warm-up, at --samples points during the soak and at its end.
 
 PASS when every process grew by at most --bound-mib, every valid request succeeded (cancelled and disconnected ones
@@ -27,7 +27,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -56,10 +56,11 @@ FINISHED, ERRORS = "tritonllm_requests_finished_total", "tritonllm_request_error
 ERROR_KINDS = ("invalid_input", "server_busy", "generation_failed")  # docs/deploy.md, Metrics
 
 
-def request_kinds(seed: int, openai: bool = True) -> Iterator[str]:
-    """The soak's kinds, endlessly: seeded shuffles of BLOCK (without "openai" when the layer is off)."""
+def request_kinds(seed: int, kinds: Collection[str] = tuple(BLOCK)) -> Iterator[str]:
+    """The soak's kinds, endlessly: seeded shuffles of BLOCK's share of each of `kinds` (a subset, to tell which
+    kind makes a process grow)."""
     rng = random.Random(seed)
-    block = [kind for kind, n in BLOCK.items() if openai or kind != "openai" for _ in range(n)]
+    block = [kind for kind, n in BLOCK.items() if kind in kinds for _ in range(n)]
     while True:
         rng.shuffle(block)
         yield from block
@@ -337,8 +338,8 @@ async def soak_run(args, server, openai, manifest: dict) -> tuple[list, list[str
     points: list[tuple[str, dict[str, int]]] = []
     outcomes: list[tuple[str, str | None]] = []
     try:
-        kinds = request_kinds(args.seed, openai is not None)
-        warmup = 2 * sum(n for k, n in BLOCK.items() if openai or k != "openai")  # every kind at least twice
+        kinds = request_kinds(args.seed, args.kinds)
+        warmup = 2 * sum(n for k, n in BLOCK.items() if k in args.kinds)  # every kind at least twice
         await run_mix(soak, kinds, args.seed + 1, args.concurrency, lambda done: done >= warmup, outcomes)
         failures = [f"warm-up {k}: {e}" for k, e in outcomes if e]
         await settle(server)
@@ -402,9 +403,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=3, help="memory readings during the soak")
     parser.add_argument("--bound-mib", type=float, default=64.0, help="the growth allowed to each process")
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request is a hang")
-    parser.add_argument("--no-openai", action="store_true", help="without the OpenAI layer")
+    parser.add_argument("--kinds", default=",".join(BLOCK), help="the request kinds of the mix, comma-separated")
     parser.add_argument("--out", type=Path, help="the servers' logs (default: BUILD_DIR/memory-soak)")
     args = parser.parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if not args.kinds or set(args.kinds) - set(BLOCK):
+        parser.error(f"--kinds: choose among {', '.join(BLOCK)}")
     build = args.build_dir.resolve()
     out = (args.out or build / "memory-soak").resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -412,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     log = out / "server.log"
     server = TritonServer.on_free_ports(build, log_file=log)
     openai = None
-    if not args.no_openai:
+    if "openai" in args.kinds:
         grpc_url = f"{server.host}:{server.grpc_port}"
         openai = OpenAIFrontend.for_build(
             grpc_url, manifest, free_port(), log_file=out / "openai.log", repository=str(server.repository)

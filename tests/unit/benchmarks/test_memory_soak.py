@@ -42,10 +42,10 @@ def test_every_block_of_the_mix_holds_every_kind_in_its_share():
     assert kinds[:size] != kinds[size : 2 * size]  # each block is shuffled anew
 
 
-def test_the_mix_without_the_openai_layer_sends_it_nothing():
-    kinds = list(islice(request_kinds(7, openai=False), 100))
-    assert "openai" not in kinds
-    assert set(kinds) == set(BLOCK) - {"openai"}
+def test_a_mix_of_some_kinds_sends_only_those():
+    kinds = list(islice(request_kinds(7, ["stream", "cancel"]), 80))
+    assert set(kinds) == {"stream", "cancel"}
+    assert kinds.count("stream") == 5 * kinds.count("cancel") / 3  # BLOCK's shares: 5 streams to 3 cancelled
 
 
 MIB = 1024
