@@ -6,6 +6,7 @@ names from here and nowhere else, so the wire format is defined once.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Sequence
 
@@ -44,6 +45,15 @@ def bound_socket(host: str, port: int, reuse_addr: bool = True, reuse_port: bool
         sock.close()
         raise
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost): the launchers' admin key and
+    the OpenAI layer's open-key warning both turn on it."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to any address
+        return False
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -279,7 +279,7 @@ class EngineModel:
             else:
                 sender.send(flags=FINAL)
             return
-        if not self.engine.alive():  # so the health probe (tritonllm.launch.tritonserver.probe_engine) fails
+        if not self.engine.alive():  # a client's stop to a dead engine: said, not silently a success
             sender.send(error_response(EngineFailure("the engine's generation loop has stopped")), flags=FINAL)
             return
         if not self.engine.relay_stop(request_id):

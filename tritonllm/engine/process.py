@@ -56,6 +56,7 @@ from tritonllm.engine.process_child import (
     REFUSED,
     STOP,
     SUBMIT,
+    Load,
     lock_file,
     remove_socket,
     socket_lock,
@@ -123,8 +124,7 @@ class EngineProcess(BlockingGenerate):
         self._lock = threading.Lock()
         self._emits: dict[str, Callable[[Emission], None]] = {}
         self._ids = itertools.count()
-        # The child's latest load: in batch, CUDA graphs, every instance's requests, ours, instances connected.
-        self._load: tuple = (0, 0, None, 0, 0, 1)  # the child's latest report (process_child.py: _send_loop)
+        self._load = Load()  # the child's latest report
         self._ended: str | None = None  # why the child is gone, once it is
         self._admissions: dict[str, _Admission] = {}
         self._path = socket_path(config, shared_as)
@@ -214,20 +214,20 @@ class EngineProcess(BlockingGenerate):
         (at most LOAD_PERIOD old); none once the child is gone. Ours whose guide compiles are left out: the caller
         counts the requests `submit` has not returned (the engine model's admission does), as with an engine in the
         caller's process, which takes a request once its guide compiled."""
-        _, _, _, everyone, ours, _ = self._load
+        load = self._load
         with self._lock:
-            return 0 if self._ended else len(self._emits) - len(self._admissions) + max(0, everyone - ours)
+            return 0 if self._ended else len(self._emits) - len(self._admissions) + max(0, load.everyone - load.ours)
 
     def in_batch(self) -> int:
-        return self._load[0]
+        return self._load.in_batch
 
     def captured_graphs(self) -> int:
-        return self._load[1]
+        return self._load.captured_graphs
 
     def steps(self) -> int | None:
         """The child's engine's, at its latest report (at most LOAD_PERIOD old): a stuck step stops the count, not
         the reports, which the child's other threads send."""
-        return self._load[2]
+        return self._load.steps
 
     def alive(self) -> bool:
         return self._ended is None
@@ -240,7 +240,7 @@ class EngineProcess(BlockingGenerate):
         self._send((CLOSE,))  # the child cancels our requests and closes the connection
         self._reader.join(timeout)
         self._conn.close()
-        if self._load[5] == 0:  # none left but us, at the child's last word
+        if self._load.others == 0:  # none left but us, at the child's last word
             self._await_exit(timeout)
         elif self._process is not None:
             self._process.poll()  # it serves other instances on; reaped here if it is already gone
@@ -273,7 +273,8 @@ class EngineProcess(BlockingGenerate):
     def _read(self) -> None:
         while True:
             try:
-                _, emissions, self._load, relayed = self._conn.recv()
+                _, emissions, load, relayed = self._conn.recv()
+                self._load = Load(*load)
             except (EOFError, OSError):
                 break
             for request_id, fields in emissions:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NamedTuple
 
 from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest
 from tritonllm.engine.synthetic import SyntheticConfig, SyntheticEngine
@@ -62,6 +63,18 @@ emission_fields = operator.attrgetter(*(f.name for f in dataclasses.fields(Emiss
 REPORTER = 0  # the connection that reports the engine's metrics: the first, for the process's life
 
 _CLOSED = object()  # a connection's outgoing queue: send what is queued, then stop
+
+
+class Load(NamedTuple):
+    """The child's load, sent to each connection with its emissions (at least every LOAD_PERIOD). It travels as a
+    plain tuple: the child runs as `__main__`, where a class of its own does not unpickle."""
+
+    in_batch: int = 0
+    captured_graphs: int = 0
+    steps: int | None = None  # the engine's finished steps: a stuck step stops the count, not the reports
+    everyone: int = 0  # requests of every connection
+    ours: int = 0  # this connection's
+    others: int = 1  # open connections but this one, if it is closing
 
 
 def lock_file(socket_path: Path) -> Path:
@@ -292,8 +305,7 @@ class EngineServer:
 
     def _send_loop(self, conn: Connection, number: int, outgoing: queue.SimpleQueue) -> None:
         """One message per wake-up: every emission queued for this connection since the last one, the messages of
-        other connections relayed to it, and the load: (in batch, CUDA graphs, the engine's finished steps, requests of
-        all connections, this connection's, open connections but this one if it is closing)."""
+        other connections relayed to it, and the Load."""
         closed = False
         while not closed:
             try:
@@ -308,10 +320,16 @@ class EngineServer:
             closed = _CLOSED in items
             emissions = [i for i in items if i is not _CLOSED and i[0] is not None]
             relayed = [i[1] for i in items if i is not _CLOSED and i[0] is None]
-            engine = (self.engine.in_batch(), self.engine.captured_graphs(), self.engine.steps())
-            load = (*engine, *self.requests.load(number), self.connections())
+            engine = self.engine
+            load = Load(
+                engine.in_batch(),
+                engine.captured_graphs(),
+                engine.steps(),
+                *self.requests.load(number),
+                self.connections(),
+            )
             try:
-                conn.send((EMISSIONS, emissions, load, relayed))
+                conn.send((EMISSIONS, emissions, tuple(load), relayed))
             except OSError:
                 break  # the instance is gone; the reader sees it too
         conn.close()

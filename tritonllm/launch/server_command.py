@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS, is_loopback
 
 # In NVIDIA's images; there the server listens on the default ports (PORTS), which `docker run` publishes.
 CONTAINER_BINARY = "/opt/tritonserver/bin/tritonserver"
@@ -97,10 +97,6 @@ def restricted_api_flags(key: str | None) -> list[str]:
         f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
         f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
     ]
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
 
 
 def write_private(path: Path, text: str) -> None:

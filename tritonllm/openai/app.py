@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import ipaddress
 import json
 import os
 import secrets
@@ -40,7 +39,7 @@ from tritonllm.openai.chat_models import ChatRequest
 from tritonllm.openai.generation import Generator
 from tritonllm.openai.models import APIError, CompletionRequest, Settings
 from tritonllm.openai.workers import default_workers, port_free, supervise_workers
-from tritonllm.protocol import OPENAI_PORT, PORTS
+from tritonllm.protocol import OPENAI_PORT, PORTS, is_loopback
 
 
 def bearer_credentials(authorization: bytes) -> bytes | None:
@@ -185,14 +184,6 @@ def create_app(settings: Settings, generator: Generator | None = None) -> FastAP
     return app
 
 
-def loopback_only(host: str) -> bool:
-    """Whether `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: it may resolve to any address
-        return False
-
-
 def open_layer_warning(host: str, port: int) -> str:
     return (
         f"openai: warning: listening on {host}:{port} without an API key: anyone who can reach this port can use "
@@ -291,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer_class=args.tokenizer_class,
         repository=args.repository,
     )
-    if not settings.api_key and not loopback_only(args.host):
+    if not settings.api_key and not is_loopback(args.host):
         print(open_layer_warning(args.host, args.port), file=sys.stderr, flush=True)
     if args.workers == 1:
         if not port_free(args.host, args.port):  # the exit code of several workers', not uvicorn's 1
