@@ -18,18 +18,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
-from collections import OrderedDict
-from concurrent import futures
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from tritonllm.engine.api import Guide
-from tritonllm.engine.grammar_check import GUIDE_COMPILE_SECONDS, compile_too_slow, not_compiling
+from tritonllm.engine.grammar_check import GUIDE_COMPILE_SECONDS, GuideCompiles, not_compiling
 from tritonllm.engine.sampling import ArgumentGroup, generated_tokens
 from tritonllm.errors import InputError
 
@@ -37,7 +33,6 @@ log = logging.getLogger(__name__)
 
 BITS = [1 << i for i in range(31)] + [-(1 << 31)]  # each bit of an int32 word, as an int32
 COMPILED_GUIDES_KEPT = 256  # distinct grammars whose compilation is kept
-GUIDE_COMPILERS = 2  # guides compiled at once (each compile uses threads of xgrammar's own); others wait their turn
 
 
 @dataclass
@@ -100,33 +95,26 @@ class Follower:
             mask[row, token // 32] |= BITS[token % 32]
 
 
-@dataclass(eq=False)
-class _Compilation:
-    """A guide's compile, which the requests for that guide share."""
-
-    future: Future = field(default_factory=Future)
-    running: bool = False  # a compiler thread has taken it up
-    expired: bool = False  # it ran past a request's deadline: the guide's requests fail at once until it ends
-
-
 class Guides:
     """Compiles guides (cached by type and text) and holds the matcher of each guided request in flight.
 
     The tokenizer and xgrammar's compiler are loaded at the first guided request: an engine that never meets
     one does not pay for them. Guides compile on GUIDE_COMPILERS threads of their own, and a request waits for its
-    guide GUIDE_COMPILE_SECONDS at most."""
+    guide GUIDE_COMPILE_SECONDS at most (grammar_check.GuideCompiles)."""
 
     def __init__(self, model_dir: str, vocab_size: int) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
-        self.compilations = 0  # grammars compiled so far (a repeated one is not compiled again)
         self._compiler = None
         self._setup = threading.Lock()
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[tuple[str, str], _Compilation] = OrderedDict()
-        self._waiting: queue.SimpleQueue[tuple[tuple[str, str], _Compilation]] = queue.SimpleQueue()
-        self._compilers: list[threading.Thread] = []
+        self._compiles = GuideCompiles(self._compile, COMPILED_GUIDES_KEPT, GUIDE_COMPILE_SECONDS)
         self._followers: dict[str, Follower] = {}
+
+    @property
+    def compilations(self) -> int:
+        """Grammars compiled so far (a repeated one is not compiled again)."""
+        return self._compiles.compilations
 
     def _compiler_ready(self):
         with self._setup:
@@ -142,60 +130,10 @@ class Guides:
     def compile(self, guide: Guide):
         """The compiled grammar of `guide`; InputError naming guided_decoding_guide when it does not compile, or
         not within GUIDE_COMPILE_SECONDS."""
-        key = (guide.type, "" if guide.type == "json" else guide.text)
-        seconds = GUIDE_COMPILE_SECONDS
-        with self._lock:
-            compilation = self._compiled.get(key)
-            if compilation is None:
-                compilation = self._compiled[key] = _Compilation()
-                while len(self._compiled) > COMPILED_GUIDES_KEPT:
-                    self._compiled.popitem(last=False)
-                self._waiting.put((key, compilation))
-                if len(self._compilers) < GUIDE_COMPILERS:
-                    # Daemons: a compile that xgrammar cannot stop must not hold up the process's exit.
-                    compiler = threading.Thread(target=self._compile_loop, name="guide-compiler", daemon=True)
-                    compiler.start()
-                    self._compilers.append(compiler)
-            elif compilation.expired:  # its compile runs on: failed at once, not waited for again
-                raise compile_too_slow(guide.type, seconds)
-            else:
-                self._compiled.move_to_end(key)
-        try:
-            return compilation.future.result(seconds)
-        except futures.TimeoutError:  # TimeoutError itself from Python 3.11
-            with self._lock:  # one still waiting for a compiler is not the guide's fault: it compiles for later ones
-                compilation.expired = compilation.running
-            raise compile_too_slow(guide.type, seconds) from None
-        except InputError as exc:
-            raise InputError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
-
-    def _compile_loop(self) -> None:
-        """A compiler thread, taking the guides in the order they came."""
-        while True:
-            key, compilation = self._waiting.get()
-            with self._lock:
-                compilation.running = True
-            compiled, error = None, None
-            try:
-                compiled = self._compile(*key)
-            except Exception as exc:
-                error = exc
-            with self._lock:
-                # Not kept: a failure that is not the guide's (the tokenizer's, say), and the success of a compile
-                # that expired, which is nobody's (a guide's verdict does not hang on timing: a later request
-                # compiles it anew).
-                kept = isinstance(error, InputError) if error is not None else not compilation.expired
-                if not kept and self._compiled.get(key) is compilation:
-                    del self._compiled[key]
-                if error is None:
-                    compilation.future.set_result(compiled)
-                else:
-                    compilation.future.set_exception(error)
+        return self._compiles.result(guide.type, "" if guide.type == "json" else guide.text)
 
     def _compile(self, kind: str, text: str):
         compiler = self._compiler_ready()
-        with self._lock:
-            self.compilations += 1
         try:
             if kind == "json":
                 return compiler.compile_builtin_json_grammar()

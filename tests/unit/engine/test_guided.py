@@ -19,7 +19,8 @@ from tests.unit.engine.conftest import chat_ids, submitted
 from tests.unit.engine.test_cpu_engines import make_engine
 from tritonllm.engine import guided as guided_module
 from tritonllm.engine.api import LLAMACPP, GenerationRequest, Guide, Penalties, SamplingParams
-from tritonllm.engine.guided import GUIDE_COMPILERS, GuidedDecoding, Guides
+from tritonllm.engine.grammar_check import GUIDE_COMPILERS
+from tritonllm.engine.guided import GuidedDecoding, Guides
 from tritonllm.errors import InputError
 from tritonllm.protocol import FINISH_EOS, FINISH_ERROR
 
