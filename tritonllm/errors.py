@@ -54,6 +54,13 @@ class TritonLLMError(Exception):
         return f"{self.kind.tag} {self}"
 
 
+def error_of_kind(kind: ErrorKind, message: str) -> TritonLLMError:
+    """An error of `kind` made elsewhere, of which only its message and kind came (an engine's, across a process)."""
+    error = TritonLLMError(message)
+    error.kind = kind
+    return error
+
+
 class InputError(TritonLLMError, ValueError):
     """A request input is missing or out of range; the message names the input and the limit."""
 

@@ -77,6 +77,17 @@ CASES: dict[str, tuple[dict, list[str]]] = {
     "bad_words too many": ({"bad_words": (words(*[f"b{i}" for i in range(40)]), "BYTES")}, ["bad_words", "limit"]),
     "unknown input name": ({"max_token": (i32(4), "INT32")}, ["max_token"]),
     "stream true on the ensemble": ({"stream": (np.array([[True]]), "BOOL")}, ["stream", "tensorrt_llm_bls"]),
+    # A mistake only the generation finds: the guide's grammar ends after "yes", where min_tokens bans the end.
+    "min_tokens past the guide's end": (
+        {
+            "text_input": (text("Is Paris in France? Answer yes or no."), "BYTES"),
+            "max_tokens": (i32(24), "INT32"),
+            "min_tokens": (i32(6), "INT32"),
+            "guided_decoding_guide_type": (text("regex"), "BYTES"),
+            "guided_decoding_guide": (text("(yes|no)"), "BYTES"),
+        },
+        ["min_tokens", "the guide's grammar ends"],
+    ),
     "batch larger than max_batch_size": (
         {
             "text_input": (np.array([[b"hi"]] * 17, dtype=object), "BYTES"),
@@ -131,6 +142,7 @@ GRPC_CASES = [
     "unknown input name",
     "stop_words not text",
     "batch larger than max_batch_size",
+    "min_tokens past the guide's end",
 ]
 
 
@@ -237,6 +249,12 @@ OPENAI_CASES: dict[str, tuple[str, bytes, str | None]] = {
         "/completions",
         b'{"model": MODEL, "prompt": "hi", "max_tokens": 4, "stop": ["a", "b", "c", "d", "e"]}',
         "stop",
+    ),
+    "min_tokens past the guide's end (found while generating)": (
+        "/chat/completions",
+        b'{"model": MODEL, "messages": [{"role": "user", "content": "Is Paris in France?"}], "max_tokens": 24, '
+        b'"min_tokens": 6, "guided_regex": "(yes|no)"}',
+        None,
     ),
     "whitespace prompt (refused inside the stream)": (
         "/completions",

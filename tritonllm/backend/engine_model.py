@@ -332,7 +332,7 @@ class EngineModel:
             return
         if emission.error:
             self._close(call)
-            call.sender.send(error_response(EngineFailure(f"generation failed: {emission.error}")), flags=FINAL)
+            call.sender.send(error_response(emission.failure()), flags=FINAL)
             return
         if emission.final:
             call.open -= 1

@@ -105,7 +105,7 @@ class EngineMetrics:
             counts[self.cached_tokens] += emission.cached_tokens
             counts[self.output_tokens] += request.output_tokens
             if emission.error:
-                counts[self.errors["generation_failed"]] += 1
+                counts[self.errors[error_label(emission.error_kind)]] += 1
             if emission.time_to_first_token is not None:
                 self.ttft.observe(emission.time_to_first_token)
             if emission.time_per_output_token is not None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
-from tritonllm.errors import ConfigError, InputError
+from tritonllm.errors import ConfigError, EngineFailure, ErrorKind, InputError, TritonLLMError, error_of_kind
 from tritonllm.options import flag_of, option
 from tritonllm.protocol import MAX_WORD_SEQUENCES
 
@@ -123,10 +123,11 @@ class TokenLogProbs:
 class Emission:
     """What the engine reports for a request.
 
-    `token_ids` are the tokens since the previous emission of a streaming request, or all the
-    generated tokens in the single emission of a non-streaming one. A final emission has a
-    `finish_reason`; only an "error" one has `error`. Not frozen, though nothing changes one once made: a stream
-    makes one per token, and a frozen dataclass takes four times as long to make.
+    `token_ids` are the tokens since the previous emission of a streaming request, or all the generated tokens in the
+    single emission of a non-streaming one. A final emission has a `finish_reason`; only an "error" one has `error`,
+    and `error_kind` when it is not the engine's failure (a client's mistake that only the generation could find:
+    INVALID_INPUT, a 400, not a 500). Not frozen, though nothing changes one once made: a stream makes one per token,
+    and a frozen dataclass takes four times as long to make.
     """
 
     token_ids: list[int]
@@ -139,10 +140,17 @@ class Emission:
     time_per_output_token: float | None = None
     time_to_schedule: float | None = None  # on final emissions: seconds from submission to its first step
     cached_tokens: int = 0  # on final emissions: prompt tokens whose KV cache came from an earlier request
+    error_kind: ErrorKind | None = None  # of `error`; None: the engine failed (INTERNAL)
 
     @property
     def final(self) -> bool:
         return self.finish_reason is not None
+
+    def failure(self) -> TritonLLMError:
+        """An "error" emission's error as the project's: the engine's failure, or the client's mistake by its kind."""
+        if self.error_kind in (None, ErrorKind.INTERNAL):
+            return EngineFailure(f"generation failed: {self.error}")
+        return error_of_kind(self.error_kind, self.error or "")
 
     @staticmethod
     def joinable(earlier: Emission, later: Emission) -> bool:

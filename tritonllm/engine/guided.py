@@ -27,7 +27,7 @@ import torch
 from tritonllm.engine.api import Guide
 from tritonllm.engine.grammar_check import GUIDE_COMPILE_SECONDS, GuideCompiles, not_compiling
 from tritonllm.engine.sampling import ArgumentGroup, generated_tokens
-from tritonllm.errors import InputError
+from tritonllm.errors import EngineFailure, InputError, TritonLLMError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ class Follower:
     matcher: object
     min_tokens: int = 0  # the request's, when they ban its end id (the matcher's stop token)
     accepted: int = 0
-    lost: str | None = None  # why it refused a generated token: the engine fails the request with it
+    # Why it refused a generated token, the engine failing the request with it: the request's own controls (an
+    # InputError) or its matcher's failure.
+    lost: TritonLLMError | None = None
 
     def accept(self, token: int, request_id: str) -> bool:
         """Lets the matcher take a generated token; False once it has lost the request."""
@@ -63,19 +65,23 @@ class Follower:
 
     def _failed(self, exc: Exception) -> None:
         log.exception("a guided request's grammar matcher failed: the request fails alone")
-        self.lost = f"internal error: the guide's grammar matcher failed after {self.accepted} tokens: {exc}"
+        self.lost = EngineFailure(
+            f"internal error: the guide's grammar matcher failed after {self.accepted} tokens: {exc}"
+        )
 
-    def _refusal(self, token: int) -> str:
+    def _refusal(self, token: int) -> InputError:
         """Why the grammar refused `token`: its mask kept nothing the request's bans left, so the step chose outside
         it (a refused token leaves the matcher as it was)."""
         if self.accepted < self.min_tokens and self.matcher.is_completed():
-            return (
-                f"min_tokens: is {self.min_tokens}, but the guide's grammar ends after {self.accepted} tokens, where "
-                "min_tokens bans the end: lower min_tokens or widen the guide"
+            return InputError(
+                "min_tokens",
+                f"is {self.min_tokens}, but the guide's grammar ends after {self.accepted} tokens, where min_tokens "
+                "bans the end: lower min_tokens or widen the guide",
             )
-        return (
-            f"guided_decoding_guide: after {self.accepted} tokens the request's bad words or bias ban every token "
-            f"its grammar allows (token {token} came instead)"
+        return InputError(
+            "guided_decoding_guide",
+            f"after {self.accepted} tokens the request's bad words or bias ban every token its grammar allows (token "
+            f"{token} came instead)",
         )
 
     def fill(self, mask: torch.Tensor, row: int) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tritonllm.engine.api import Emission, GenerationRequest, TokenLogProbs, ends_with
+from tritonllm.errors import TritonLLMError
 from tritonllm.protocol import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 
 
@@ -57,9 +58,9 @@ class Lifecycle:
             start, self.sent = self.sent, len(self.tokens)
             self.emit(Emission(self.tokens[start:], log_probs=self._log_probs(start)))
 
-    def finish(self, reason: str, error: str | None = None) -> bool:
-        """The final emission: what was not emitted yet, the finish reason and the timings. Once: False when the
-        request had already finished."""
+    def finish(self, reason: str, error: str | TritonLLMError | None = None) -> bool:
+        """The final emission: what was not emitted yet, the finish reason and the timings, and the error with its
+        kind. Once: False when the request had already finished."""
         if self.done:
             return False
         self.done = True
@@ -74,12 +75,13 @@ class Lifecycle:
             Emission(
                 self.tokens[start:],
                 reason,
-                error,
+                None if error is None else str(error),
                 log_probs=self._log_probs(start),
                 time_to_first_token=ttft,
                 time_per_output_token=tpot,
                 time_to_schedule=None if self.scheduled is None else self.scheduled - self.submitted,
                 cached_tokens=self.cached,
+                error_kind=error.kind if isinstance(error, TritonLLMError) else None,
             )
         )
         return True

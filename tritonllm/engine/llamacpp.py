@@ -48,7 +48,7 @@ from tritonllm.engine.checks import check_submit
 from tritonllm.engine.cpu_threads import start_yielding
 from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.engine.row_draw import draw_request
-from tritonllm.errors import EngineFailure, InputError
+from tritonllm.errors import EngineFailure, InputError, TritonLLMError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
 
 if TYPE_CHECKING:
@@ -445,7 +445,7 @@ class LlamaCppEngine(BlockingGenerate):
             else:
                 self._finish(sequence, reason)
 
-    def _finish(self, sequence: _Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, sequence: _Sequence, reason: str, error: str | TritonLLMError | None = None) -> None:
         """The request's final emission (under the lock); the step loop frees its place."""
         self._sequences.pop(sequence.request_id, None)
         if self._guides is not None and sequence.request.guide is not None:

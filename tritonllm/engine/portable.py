@@ -40,7 +40,7 @@ from tritonllm.engine.norms import fuse_rms_norms
 from tritonllm.engine.projections import merge_projections
 from tritonllm.engine.sampling import key_graphs_by_processors, request_processors
 from tritonllm.engine.step_graphs import graph_steps_up_to
-from tritonllm.errors import ConfigError, EngineFailure
+from tritonllm.errors import ConfigError, EngineFailure, TritonLLMError
 from tritonllm.protocol import (
     FINISH_CANCELLED,
     FINISH_ERROR,
@@ -316,7 +316,7 @@ class PortableEngine(BlockingGenerate):
         else:
             active.emit_new()
 
-    def _drop(self, request_id: str, active: _Active, reason: str, error: str | None = None) -> None:
+    def _drop(self, request_id: str, active: _Active, reason: str, error: str | TritonLLMError | None = None) -> None:
         with self._lock:
             if self._active.pop(request_id, None) is None:
                 return  # already finished (cancelled concurrently)
@@ -375,7 +375,7 @@ def _guide_lost(follower: Follower, output: GenerationOutput) -> bool:
     return follower.lost is not None
 
 
-def _finish(active: _Active, reason: str, error: str | None = None) -> None:
+def _finish(active: _Active, reason: str, error: str | TritonLLMError | None = None) -> None:
     """The request's final emission, once."""
     with active.lock:
         active.finish(reason, error)

@@ -62,7 +62,7 @@ from tritonllm.engine.process_child import (
     socket_lock,
 )
 from tritonllm.engine.synthetic import SyntheticConfig
-from tritonllm.errors import EngineFailure, InputError
+from tritonllm.errors import EngineFailure, ErrorKind, InputError
 from tritonllm.protocol import FINISH_ERROR
 
 SHUTDOWN_REASON = "the engine is shutting down"  # as the engines' own shutdown says it
@@ -326,7 +326,7 @@ class EngineProcess(BlockingGenerate):
             admission.answer = answer
             admission.done.set()
         elif emit is not None:
-            emit(Emission([], FINISH_ERROR, f"{answer[1]}: {answer[2]}"))
+            emit(Emission([], FINISH_ERROR, f"{answer[1]}: {answer[2]}", error_kind=ErrorKind.INVALID_INPUT))
 
 
 def _connect(path: Path) -> Connection | None:

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 from tritonllm.engine.api import BlockingGenerate, Emission, EngineConfig, GenerationRequest
 from tritonllm.engine.synthetic import SyntheticConfig, SyntheticEngine
-from tritonllm.errors import InputError
+from tritonllm.errors import InputError, TritonLLMError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
 
 LOAD_PERIOD = 0.2  # seconds between load reports while a connection's requests emit nothing; and the accept poll
@@ -177,8 +177,9 @@ class _Requests:
         except InputError as exc:
             outgoing.put((request_id, (REFUSED, exc.field, str(exc).removeprefix(f"{exc.field}: "))))
             engine_id = None
-        except Exception as exc:
-            outgoing.put((request_id, emission_fields(Emission([], FINISH_ERROR, str(exc)))))
+        except Exception as exc:  # its kind travels with it: the engine being full is not its failure
+            kind = exc.kind if isinstance(exc, TritonLLMError) else None
+            outgoing.put((request_id, emission_fields(Emission([], FINISH_ERROR, str(exc), error_kind=kind))))
             engine_id = None
         with self._lock:
             self._submitting.discard(key)

@@ -665,6 +665,19 @@ def test_an_engine_error_ends_a_request_with_an_internal_error(model, pb_utils):
     assert model._live == {}
 
 
+def test_a_clients_mistake_the_engine_finds_late_is_invalid_input_not_internal(model, pb_utils):
+    """min_tokens past a guide's end shows only while generating: the engine says so by the error's kind."""
+    call = request(pb_utils, [1, 2])
+    model.execute([call])
+    refusal = "min_tokens: is 6, but the guide's grammar ends after 1 tokens"
+    model.engine.emit("e0", Emission([], FINISH_ERROR, error=refusal, error_kind=ErrorKind.INVALID_INPUT))
+    [(response, flags)] = call.sender.sent
+    error = response.error()
+    assert flags == FINAL and error.code() == pb_utils.TritonError.INVALID_ARG
+    assert error.message() == f"{ErrorKind.INVALID_INPUT.tag} {refusal}"
+    assert model._live == {}
+
+
 def test_an_engine_error_ends_a_stream_after_its_tokens(model, pb_utils):
     stream = request(pb_utils, [1, 2], **STREAMING)
     model.execute([stream])

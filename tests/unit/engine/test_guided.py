@@ -21,7 +21,7 @@ from tritonllm.engine import guided as guided_module
 from tritonllm.engine.api import LLAMACPP, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.grammar_check import GUIDE_COMPILERS
 from tritonllm.engine.guided import GuidedDecoding, Guides
-from tritonllm.errors import InputError
+from tritonllm.errors import ErrorKind, InputError
 from tritonllm.protocol import FINISH_EOS, FINISH_ERROR
 
 
@@ -270,6 +270,7 @@ def test_min_tokens_past_the_grammars_end_fails_the_request_alone(request, token
     assert bad_done.wait(180) and good_done.wait(180)
     failed = bad_emissions[-1]
     assert failed.finish_reason == FINISH_ERROR and "min_tokens: is 6" in failed.error, failed
+    assert failed.error_kind is ErrorKind.INVALID_INPUT, "the client's mistake, found late: a 400, not a 500"
     if engine_name == "llama" or not streaming:  # a stream of the transformers engine may have sent the token before
         assert tokenizer.decode([t for e in bad_emissions for t in e.token_ids]) in ("", "y", "ye", "yes", "n", "no")
     assert good_emissions[-1].finish_reason == FINISH_EOS
@@ -354,6 +355,7 @@ def test_a_grammar_matcher_fault_fails_its_request_alone(request, monkeypatch, t
     failed = bad_emissions[-1]
     assert failed.finish_reason == FINISH_ERROR and "grammar matcher failed" in failed.error, failed
     assert "injected matcher fault" in failed.error
+    assert failed.error_kind in (None, ErrorKind.INTERNAL)
     assert good_emissions[-1].finish_reason == FINISH_EOS
     assert tokenizer.decode([t for e in good_emissions for t in e.token_ids]) in ("yes", "no")
     assert engine.alive() and eventually(lambda: engine.running() == 0, 10)

@@ -49,7 +49,7 @@ from tritonllm.engine.process_child import (
     socket_lock,
 )
 from tritonllm.engine.synthetic import SyntheticConfig
-from tritonllm.errors import InputError
+from tritonllm.errors import ErrorKind, InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, MAX_WORD_SEQUENCES
 
 
@@ -101,6 +101,7 @@ def test_answers_equal_the_engine_in_process(child, manifest, tokenizer):
     [
         Emission([7]),
         Emission([], FINISH_ERROR, "the engine failed"),
+        Emission([], FINISH_ERROR, "min_tokens: is 6", error_kind=ErrorKind.INVALID_INPUT),  # a 400 in the parent
         Emission(
             [7, 8], FINISH_LENGTH, None, [TokenLogProbs(-0.5, ((7, -0.5),)), TokenLogProbs(-1.0)], 0.1, 0.02, 0.01, 3
         ),
