@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tritonllm.launch.pytriton_wheel import ServerError, prepare_backends, pytriton_root, server_env
 from tritonllm.launch.server_command import build_options, server_command
+from tritonllm.openai.settings import Settings
 from tritonllm.protocol import ENGINE_MODEL, HEALTH_PROBE_ID, infer_inputs, port_in_use, stop_request_tensors
 
 
@@ -215,14 +216,20 @@ class OpenAIFrontend:
 
     @classmethod
     def for_build(cls, grpc_url: str, manifest: dict, port: int, **options) -> OpenAIFrontend:
-        """The layer for a build's model (its tokenizer and limits, from manifest.json) in front of `grpc_url`."""
-        options.setdefault("kv_cache_block_tokens", manifest.get("kv_cache_block_tokens", 1))
-        options.setdefault("tokenizer_class", manifest.get("tokenizer_class", ""))
-        if manifest.get("engine") == "trtllm":  # its engine model does not stream in the default deployment
-            options["repository"] = ""
-            options["trtllm"] = True
+        """The layer for a build's model (its tokenizer, limits and engine, as Settings.from_manifest reads
+        manifest.json) in front of `grpc_url`."""
+        settings = Settings.from_manifest(manifest, grpc_url, options.pop("repository", ""))
         return cls(
-            grpc_url, manifest["tokenizer_dir"], manifest["max_input_len"], manifest["max_seq_len"], port, **options
+            grpc_url,
+            settings.tokenizer_dir,
+            settings.max_input_len,
+            settings.max_seq_len,
+            port,
+            kv_cache_block_tokens=settings.kv_cache_block_tokens,
+            tokenizer_class=settings.tokenizer_class,
+            repository=settings.repository,
+            trtllm=not settings.engine_additions,
+            **options,
         )
 
     @property

@@ -37,7 +37,8 @@ from tritonllm.errors import ErrorKind
 from tritonllm.openai import routes
 from tritonllm.openai.chat_models import ChatRequest
 from tritonllm.openai.generation import Generator
-from tritonllm.openai.models import APIError, CompletionRequest, Settings
+from tritonllm.openai.models import APIError, CompletionRequest
+from tritonllm.openai.settings import Settings
 from tritonllm.openai.workers import default_workers, port_free, supervise_workers
 from tritonllm.protocol import OPENAI_PORT, PORTS, is_loopback
 
@@ -260,28 +261,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     if args.manifest:  # the build's own limits: never a second default that could disagree with them
-        manifest = json.loads(args.manifest.read_text())
-        args.tokenizer_dir = manifest["tokenizer_dir"]
-        args.max_input_len, args.max_seq_len = manifest["max_input_len"], manifest["max_seq_len"]
-        args.kv_cache_block_tokens = manifest.get("kv_cache_block_tokens", 1)
-        args.tokenizer_class = manifest.get("tokenizer_class", "")
-        args.trtllm = manifest.get("engine") == "trtllm"
-        if not args.trtllm and not args.repository:
-            args.repository = str(args.manifest.parent / "model_repository")
+        settings = Settings.from_manifest(
+            json.loads(args.manifest.read_text()),
+            args.grpc_url,
+            args.repository or str(args.manifest.parent / "model_repository"),
+            model_name=args.model_name,
+            api_key=args.api_key or None,
+        )
     elif not (args.tokenizer_dir and args.max_input_len and args.max_seq_len):
         parser.error("give --manifest, or --tokenizer-dir with --max-input-len and --max-seq-len")
-    settings = Settings(
-        args.grpc_url,
-        args.tokenizer_dir,
-        args.model_name or Path(args.tokenizer_dir).name,
-        args.max_input_len,
-        args.max_seq_len,
-        args.api_key or None,
-        kv_cache_block_tokens=args.kv_cache_block_tokens,
-        engine_additions=not args.trtllm,
-        tokenizer_class=args.tokenizer_class,
-        repository=args.repository,
-    )
+    else:
+        settings = Settings(
+            args.grpc_url,
+            args.tokenizer_dir,
+            args.model_name or Path(args.tokenizer_dir).name,
+            args.max_input_len,
+            args.max_seq_len,
+            args.api_key or None,
+            kv_cache_block_tokens=args.kv_cache_block_tokens,
+            engine_additions=not args.trtllm,
+            tokenizer_class=args.tokenizer_class,
+            repository=args.repository,
+        )
     if not settings.api_key and not is_loopback(args.host):
         print(open_layer_warning(args.host, args.port), file=sys.stderr, flush=True)
     if args.workers == 1:

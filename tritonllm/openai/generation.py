@@ -29,8 +29,8 @@ from tritonllm.openai.models import (
     APIError,
     Generation,
     SamplingRequest,
-    Settings,
 )
+from tritonllm.openai.settings import Settings
 from tritonllm.openai.tools import hermes_messages, template_renders_tools
 from tritonllm.protocol import infer_inputs, request_tensors
 from tritonllm.text.pipeline import Parts, streaming_parameters

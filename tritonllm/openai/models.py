@@ -25,7 +25,6 @@ from tritonllm.protocol import (
     MAX_RETURN_SEQUENCES,
     MAX_WORD_BYTES,
     MAX_WORDS,
-    STREAMING_MODEL,
 )
 
 FINISH_REASONS = {"length": "length", "stop": "stop", "eos": "stop"}
@@ -340,25 +339,6 @@ class CompletionRequest(SamplingRequest):
 
     def log_probs(self) -> int | None:
         return self.logprobs
-
-
-@dataclass(frozen=True)
-class Settings:
-    grpc_url: str
-    tokenizer_dir: str
-    model_name: str
-    max_input_len: int
-    max_seq_len: int
-    api_key: str | None = None
-    triton_model: str = STREAMING_MODEL
-    kv_cache_block_tokens: int = 1  # the unit of the engine's kv_cache_reused_blocks
-    # The engine takes the portable engine's additions (num_top_log_probs, openai_penalties); the TensorRT-LLM
-    # flavor's returns no top log probabilities and applies its own rule to presence and frequency (docs/api.md).
-    engine_additions: bool = True
-    tokenizer_class: str = ""  # the build's record of it (tritonllm/text/tokenizer.py); empty: AutoTokenizer picks
-    # The built repository, for the direct path to the engine model (openai/engine_stream.py); empty: every choice
-    # goes through tensorrt_llm_bls (the TensorRT-LLM flavor's engine model does not stream in its default deployment).
-    repository: str = ""
 
 
 @dataclass

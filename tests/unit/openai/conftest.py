@@ -15,7 +15,7 @@ from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 
 from tritonllm.openai.app import create_app
 from tritonllm.openai.generation import Generator
-from tritonllm.openai.models import Settings
+from tritonllm.openai.settings import Settings
 
 WORDS = ["<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "Hello", "world", "Paris", "is", "{"]
 CHATML = (

@@ -13,7 +13,8 @@ import pytest
 from tests.unit.openai.conftest import MODEL
 from tritonllm.openai.app import create_app
 from tritonllm.openai.generation import Generator
-from tritonllm.openai.models import MAX_SCHEMA_DEPTH, Settings
+from tritonllm.openai.models import MAX_SCHEMA_DEPTH
+from tritonllm.openai.settings import Settings
 
 USER = [{"role": "user", "content": "Hello"}]
 

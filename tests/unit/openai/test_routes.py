@@ -420,7 +420,7 @@ def keyed_status(tokenizer_dir, triton, header: bytes) -> int:
 
     from tritonllm.openai.app import create_app
     from tritonllm.openai.generation import Generator
-    from tritonllm.openai.models import Settings
+    from tritonllm.openai.settings import Settings
 
     settings = Settings("unused:0", tokenizer_dir, MODEL, max_input_len=512, max_seq_len=1024, api_key="clef")
     generator = Generator(settings)

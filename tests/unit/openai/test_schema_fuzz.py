@@ -20,7 +20,7 @@ from schemathesis.generation import GenerationMode
 from tests.unit.openai.conftest import MODEL, FakeTriton, make_tokenizer
 from tritonllm.openai.app import create_app
 from tritonllm.openai.generation import Generator
-from tritonllm.openai.models import Settings
+from tritonllm.openai.settings import Settings
 
 EXAMPLES = int(os.environ.get("TRITONLLM_FUZZ_EXAMPLES", "30"))
 
