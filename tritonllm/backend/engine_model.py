@@ -170,7 +170,7 @@ class EngineModel:
         # Of the instances sharing an engine, one registers the metrics; the others forward it their records.
         self._reports = self.engine.reports_metrics()
         self.metrics = EngineMetrics(args["model_name"], args["model_version"], device) if self._reports else None
-        self._outbox: Outbox[Emission] = Outbox(
+        self._outbox: Outbox[Emission | Exception] = Outbox(
             "tensorrt_llm-sender",
             self._send,
             Emission.joinable,
@@ -254,10 +254,12 @@ class EngineModel:
 
     def _refused(self, call: _Call, exc: Exception) -> None:
         """A generation the engine did not take: those it took are cancelled, and the request ends with `exc`; the
-        closed call sends nothing more (a generation taken before may have been answered already)."""
+        closed call sends nothing more (a generation taken before may have been answered already). The refusal
+        goes out through the outbox, the one thread that answers calls: on a guided submitter's, its final response
+        could come while the outbox asks the call whether it was cancelled (see outbox.py on tritonserver 2.51)."""
         self._close(call)
         self._finished.put(error_label(error_kind(exc)))
-        call.sender.send(error_response(exc), flags=FINAL)
+        self._outbox.put(call, exc)
 
     def _admit(self, rows: int) -> None:
         in_flight = self.engine.running() + self._compiling
@@ -325,8 +327,12 @@ class EngineModel:
         for record in records:
             self._finished.put(record)
 
-    def _send(self, generation: _Generation, emission: Emission) -> None:
-        """On the outbox's thread: a stream's new tokens, or a generation's whole answer."""
+    def _send(self, key: _Generation | _Call, item: Emission | Exception) -> None:
+        """On the outbox's thread: a stream's new tokens, a generation's whole answer, or a refused call's error."""
+        if isinstance(key, _Call):  # its one item (a key of its own: never joined with an emission)
+            key.sender.send(error_response(item), flags=FINAL)
+            return
+        generation, emission = key, item
         call = generation.call
         if call.closed:
             return

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -770,6 +771,20 @@ def test_a_guided_request_the_engine_refuses_fails_alone(model, pb_utils):
     model._guided.shutdown()
     [(response, flags)] = refused.sender.sent
     assert flags == FINAL and "refused this one" in response.error().message() and model._compiling == 0
+
+
+def test_a_guided_refusal_is_sent_by_the_outbox_not_the_submitter(model, pb_utils):
+    """The outbox's thread asks calls whether they were cancelled; a final response sent meanwhile from another
+    thread is what makes tritonserver 2.51 read a freed response factory. So every response leaves from it."""
+    queued: list = []
+    model._outbox = SimpleNamespace(put=lambda key, item: queued.append((key, item)))
+    refused = request(pb_utils, [7, 2], **GUIDED)
+    model.execute([refused])
+    model._guided.shutdown()
+    assert refused.sender.sent == [] and len(queued) == 1, "sent on the submitter's thread"
+    model._send(*queued[0])
+    [(response, flags)] = refused.sender.sent
+    assert flags == FINAL and "refused this one" in response.error().message() and model._live == {}
 
 
 def test_guided_calls_queued_at_unload_each_get_a_final_error(model, pb_utils, monkeypatch):
