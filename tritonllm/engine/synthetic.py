@@ -7,12 +7,18 @@ step it gives each running sequence (up to max_batch_size; the others wait in or
 build tokenized with the model's tokenizer, so the preprocessing, postprocessing, streaming and OpenAI steps do
 their real work on real text, while the engine costs a few microseconds of one thread per token. What it cannot
 honour it refuses, naming the input: sampling, penalties, biases, log probabilities, guides, bad words.
+
+It is also a fault-injection instrument for tests (tests/integration/test_faults.py): with `fault_at_step` set in
+synthetic_engine.json (not a build option), a step raises inside the step loop, whose guard then fails every request
+as it would on a bug of ours. Armed by a file (`fault_file`), the fault fires once: the step that fires removes the
+file, so the engine the watchdog starts in the faulted one's place serves, and a test can arm it when it chooses.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import zlib
@@ -54,6 +60,12 @@ class SyntheticConfig:
     )
     # The step loop in a process of its own, as the portable engine's on CUDA (--engine-process, EngineConfig's).
     engine_process: bool = False
+    # Fault injection, for tests: from this step on (counted from the engine's start, its warm-up included; 0:
+    # never), the first step at which the fault is armed raises RuntimeError("injected fault at step N").
+    fault_at_step: int = 0
+    # Armed: with no file named, always (every start of the engine faults again); else only while this file
+    # exists, and the step that fires removes it (once, whichever engine of the server claims it first).
+    fault_file: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text_ids", tuple(self.text_ids))  # JSON gives a list
@@ -156,9 +168,22 @@ class SyntheticEngine(BlockingGenerate):
                     request_id = self._waiting.popleft()
                     self._batch[request_id] = self._sequences[request_id]
                     self._batch[request_id].scheduled = time.perf_counter()
+                self._inject_fault()
                 for request_id, sequence in list(self._batch.items()):
                     self._advance(request_id, sequence)
             self._finished_steps += 1
+
+    def _inject_fault(self) -> None:
+        """Raises in the step when the configuration's fault is due and armed (SyntheticConfig.fault_at_step)."""
+        step, config = self._finished_steps + 1, self.config
+        if not config.fault_at_step or step < config.fault_at_step:
+            return
+        if config.fault_file:
+            try:
+                os.remove(config.fault_file)  # the claim: of engines sharing the file, one fires
+            except FileNotFoundError:
+                return
+        raise RuntimeError(f"injected fault at step {step}")
 
     def _advance(self, request_id: str, sequence: _Sequence) -> None:
         request, text = sequence.request, self.config.text_ids

@@ -6,12 +6,12 @@ import os
 import pytest
 
 from tests.polling import eventually
-from tests.unit.engine.conftest import emissions_of
+from tests.unit.engine.conftest import emissions_of, submitted
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
-from tritonllm.errors import InputError
-from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_LENGTH, FINISH_STOP
+from tritonllm.errors import EngineFailure, InputError
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 from tritonllm.repository.builder import main as build_main
 from tritonllm.repository.plan import text_instances
 
@@ -118,3 +118,32 @@ def test_the_build_writes_the_synthetic_engine_with_the_portable_models(manifest
     # --engine-instances 0: as many instances as the text models, sharing the engine's process.
     instances = f"count: {text_instances(os.cpu_count() or 2)} kind: KIND_CPU"
     assert instances in (engine.parent / "config.pbtxt").read_text()
+
+
+def test_an_injected_fault_fires_once_its_file_exists_and_fails_requests_through_the_loops_guard(tmp_path):
+    """The fault-injection instrument: armed by a file, from its step on; the step that fires removes the file."""
+    armed = tmp_path / "fault"
+    engine = SyntheticEngine(SyntheticConfig(TEXT, step_ms=1, fault_at_step=3, fault_file=str(armed)))
+    try:
+        assert engine.generate(GenerationRequest([1], max_new_tokens=5), timeout=10)[1] == FINISH_LENGTH  # unarmed
+        armed.touch()
+        runs = [submitted(engine, GenerationRequest([i], max_new_tokens=10**6, streaming=i)) for i in (0, 1)]
+        for done, emissions in runs:
+            assert done.wait(10), "a request in flight hung after the injected fault"
+            assert emissions[-1].finish_reason == FINISH_ERROR
+            assert emissions[-1].error == "the engine's step loop failed: injected fault at step 6"
+        assert not armed.exists() and not engine.alive() and engine.running() == 0
+        with pytest.raises(EngineFailure, match="injected fault at step 6"):
+            engine.submit(GenerationRequest([2], max_new_tokens=4), lambda e: None)
+    finally:
+        engine.shutdown()
+
+
+def test_an_injected_fault_without_a_file_fires_at_its_step_on_every_start():
+    for _ in range(2):
+        engine = SyntheticEngine(SyntheticConfig(TEXT, step_ms=1, fault_at_step=2))
+        try:
+            with pytest.raises(RuntimeError, match="injected fault at step 2"):
+                engine.generate(GenerationRequest([1], max_new_tokens=5), timeout=10)
+        finally:
+            engine.shutdown()
