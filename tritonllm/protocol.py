@@ -96,6 +96,13 @@ KV_CACHE_OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_c
 TIMING_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
 DRAFT_OUTPUTS = ("acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
 PERF_OUTPUTS = KV_CACHE_OUTPUTS + TIMING_OUTPUTS + DRAFT_OUTPUTS
+# Additions of the Python-backend engine models: a request with ERRORS_IN_BAND true gets an error that comes after its
+# first response as the GENERATION_ERROR output (the tagged text) of a final response, not as an error response.
+# Through BLS, tritonserver 2.51's Python backend never delivers an error response that follows another response to
+# the caller's iterator, whose stream then waits for ever; tensorrt_llm_bls sets it. (An input, not the output's
+# name alone: Triton asks for every output of a request that names none.)
+ERRORS_IN_BAND = "errors_in_band"
+GENERATION_ERROR = "generation_error"
 
 Tensors = list[tuple[str, np.ndarray, str]]  # (name, value, Triton datatype)
 

@@ -44,8 +44,8 @@ from tritonllm.backend.triton_glue import (
     to_tensors,
 )
 from tritonllm.errors import InputError, ServerBusy
-from tritonllm.protocol import PERF_OUTPUTS, stop_request_tensors
-from tritonllm.text.model_config import flag
+from tritonllm.protocol import ERRORS_IN_BAND, GENERATION_ERROR, PERF_OUTPUTS, stop_request_tensors
+from tritonllm.text.model_config import flag, read_config
 from tritonllm.text.pipeline import Delta, Parts, StreamedRequest
 
 CANCEL_CHECK_SECONDS = 0.2
@@ -67,6 +67,10 @@ class _Request:
     answered: bool = False  # the engine answered it once: its worker stops it at the next response
     pipeline: StreamedRequest | None = None  # made on its worker thread
     iterators: list = field(default_factory=list)  # its BLS response iterators, kept until settled
+
+
+def _in_band_error(response) -> bool:
+    return pb_utils.get_output_tensor_by_name(response, GENERATION_ERROR) is not None
 
 
 def _joinable(earlier, later) -> bool:
@@ -93,6 +97,10 @@ class StreamingModel:
         repository = Path(args["model_repository"]).parent
         self.parts = Parts.load(repository, params["ensemble_model_name"], flag(params["skip_special_tokens"]))
         self.engine_model = params["engine_model_name"]
+        # An engine model of ours sends a late error in band when asked (protocol.ERRORS_IN_BAND); NVIDIA's C++ one
+        # has no such input, and Triton refuses a request with an unknown input.
+        engine = read_config(repository / self.engine_model / "config.pbtxt")
+        self.in_band = any(i.name == ERRORS_IN_BAND for i in engine.input)
         self.workers = BoundedWorkers(int(params["max_inflight_requests"]), "tensorrt_llm_bls")
         # Engine request ids, unique per process: the key of `stop` requests (numeric, as TensorRT-LLM wants).
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
@@ -180,11 +188,13 @@ class StreamingModel:
         """Streams the engine's responses through the pipeline, queueing its deltas; returns the perf metrics of
         the engine's final response (which a stopped request still waits for) when the request asked for them."""
         inputs = [pb_utils.Tensor(name, array) for name, array in pipeline.engine_inputs().items()]
+        if self.in_band:
+            inputs.append(pb_utils.Tensor(ERRORS_IN_BAND, np.array([[True]])))
         request_id = str(next(self._ids))
         request = pb_utils.InferenceRequest(
             model_name=self.engine_model,
             inputs=inputs,
-            requested_output_names=pipeline.engine_outputs(),
+            requested_output_names=pipeline.engine_outputs() + ([GENERATION_ERROR] if self.in_band else []),
             request_id=request_id,
         )
         token_outputs = [name for name in pipeline.engine_outputs() if name not in PERF_OUTPUTS]
@@ -193,13 +203,14 @@ class StreamingModel:
         last = None  # with perf: the engine's latest response, whose perf metrics are the request's
         for response in exec_decoupled(request, state.iterators):
             state.answered = True
-            if pipeline.perf and not response.has_error():
+            failed = response.has_error() or _in_band_error(response)
+            if pipeline.perf and not failed:
                 last = response
             if stopping:
-                if response.has_error():
+                if failed:
                     break  # an error ends the request: nothing more will come
                 continue  # drain until the engine's final response
-            if response.has_error():
+            if failed:
                 raise_if_error(response)
             delta = pipeline.push(_outputs(response, token_outputs))
             if delta is not None:

@@ -37,6 +37,7 @@ from tritonllm.backend.triton_glue import (
     error_kind,
     error_response,
     free_before_exit,
+    in_band_error_response,
     input_arrays,
     log_exception,
     log_info,
@@ -58,7 +59,7 @@ from tritonllm.engine.llmapi_config import LLM_API_CONFIG_FILE
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, InputError, ServerBusy
-from tritonllm.protocol import HEALTH_PROBE_ID
+from tritonllm.protocol import ERRORS_IN_BAND, HEALTH_PROBE_ID
 from tritonllm.text.model_config import flag
 from tritonllm.text.wire import Limits, scalar
 
@@ -86,6 +87,8 @@ class _Call:
     indexed: tuple[bool, bool] = (False, False)
     closed: bool = False
     cancelled: bool = False  # asked to end: a generation handed to the engine after it is cancelled at once
+    errors_in_band: bool = False  # ERRORS_IN_BAND: an error after a response goes as GENERATION_ERROR
+    answered: bool = False  # a response went out
 
 
 @dataclass(eq=False)
@@ -208,6 +211,7 @@ class EngineModel:
                     counts,
                     bool(scalar(arrays, "return_perf_metrics", 0)),
                     requested_outputs(request),
+                    errors_in_band=bool(scalar(arrays, ERRORS_IN_BAND, 0)),
                 )
                 call.generations = [_Generation(call, g.request, g.batch_index, g.sequence_index) for g in generations]
                 call.open = len(call.generations)
@@ -330,7 +334,7 @@ class EngineModel:
     def _send(self, key: _Generation | _Call, item: Emission | Exception) -> None:
         """On the outbox's thread: a stream's new tokens, a generation's whole answer, or a refused call's error."""
         if isinstance(key, _Call):  # its one item (a key of its own: never joined with an emission)
-            key.sender.send(error_response(item), flags=FINAL)
+            self._fail(key, item)
             return
         generation, emission = key, item
         call = generation.call
@@ -338,7 +342,7 @@ class EngineModel:
             return
         if emission.error:
             self._close(call)
-            call.sender.send(error_response(emission.failure()), flags=FINAL)
+            self._fail(call, emission.failure())
             return
         if emission.final:
             call.open -= 1
@@ -350,12 +354,19 @@ class EngineModel:
                 self._close(call)
             if tensors is not None:
                 call.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if final else 0)
+                call.answered = True
             elif final:  # nothing to send but the end; one sequence's end of several is not the request's
                 call.sender.send(flags=FINAL)
         except Exception as exc:  # the call ends with the error: without a final response its client would hang
             self._close(call)
             self._finished.put(error_label(error_kind(exc)))
-            call.sender.send(error_response(exc), flags=FINAL)
+            self._fail(call, exc)
+
+    def _fail(self, call: _Call, exc: BaseException) -> None:
+        """On the outbox's thread: the call's final response, its error (in band where it asked: ERRORS_IN_BAND)."""
+        in_band = call.errors_in_band and call.answered
+        response = in_band_error_response(exc) if in_band else error_response(exc)
+        call.sender.send(response, flags=FINAL)
 
     def _outputs(self, generation: _Generation, emission: Emission) -> dict | None:
         """A response's tensors: the generation's tokens (with the prompt, when asked, in a whole answer), and the

@@ -14,6 +14,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.errors import ErrorKind, InputError, TritonLLMError
+from tritonllm.protocol import GENERATION_ERROR
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -127,8 +128,14 @@ def free_before_exit() -> None:
 
 
 def raise_if_error(response) -> None:
+    """A BLS callee's error, in its error response or in band (GENERATION_ERROR), as a StepError."""
     if response.has_error():
         raise StepError(response.error())
+    failure = pb_utils.get_output_tensor_by_name(response, GENERATION_ERROR)
+    if failure is not None:
+        message = failure.as_numpy().reshape(-1)[0].decode(errors="replace")
+        kind = ErrorKind.of_message(message) or ErrorKind.INTERNAL
+        raise StepError(pb_utils.TritonError(message, getattr(pb_utils.TritonError, kind.triton_code)))
 
 
 def error_kind(exc: BaseException) -> ErrorKind | None:
@@ -144,16 +151,25 @@ def error_kind(exc: BaseException) -> ErrorKind | None:
 def error_response(exc: BaseException):
     """The response that fails a request with `exc`, its message tagged with its kind (see tritonllm.errors);
     a bug of ours is logged with its traceback."""
+    return pb_utils.InferenceResponse(error=triton_error(exc))
+
+
+def triton_error(exc: BaseException):
+    """`exc` as a TritonError: its kind's code, its message tagged with the kind (error_response's rules)."""
     kind = error_kind(exc)
     if isinstance(exc, StepError):  # a BLS response's error code does not survive the stub: its tag does
         code = exc.error.code() if kind is None else getattr(pb_utils.TritonError, kind.triton_code)
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.error.message(), code))
+        return pb_utils.TritonError(exc.error.message(), code)
     if isinstance(exc, TritonLLMError):
-        code = getattr(pb_utils.TritonError, kind.triton_code)
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.tagged(), code))
+        return pb_utils.TritonError(exc.tagged(), getattr(pb_utils.TritonError, kind.triton_code))
     pb_utils.Logger.log_error("".join(traceback.format_exception(exc)))
-    message = f"{ErrorKind.INTERNAL.tag} internal error: {exc}"
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INTERNAL))
+    return pb_utils.TritonError(f"{ErrorKind.INTERNAL.tag} internal error: {exc}", pb_utils.TritonError.INTERNAL)
+
+
+def in_band_error_response(exc: BaseException):
+    """The final response that carries `exc` as the GENERATION_ERROR output (tritonllm.protocol says why)."""
+    message = triton_error(exc).message()
+    return pb_utils.InferenceResponse([pb_utils.Tensor(GENERATION_ERROR, np.array([[message.encode()]], dtype=object))])
 
 
 def requested_outputs(request) -> set[str] | None:

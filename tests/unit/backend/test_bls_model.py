@@ -10,7 +10,7 @@ import pytest
 
 from tests.unit.backend import fake_pb_utils
 from tritonllm.errors import EngineFailure, ErrorKind, InputError, ServerBusy
-from tritonllm.protocol import KV_CACHE_OUTPUTS
+from tritonllm.protocol import ERRORS_IN_BAND, GENERATION_ERROR, KV_CACHE_OUTPUTS
 from tritonllm.text.pipeline import Delta
 
 
@@ -32,6 +32,7 @@ def bls(pb_utils):
 
     model = bls_model.StreamingModel.__new__(bls_model.StreamingModel)  # no tokenizer or workers needed
     model.engine_model = "tensorrt_llm"
+    model.in_band = True  # the portable engine model takes errors_in_band
     model._live = {}
     model._unsettled = []
     return bls_model, model
@@ -212,6 +213,27 @@ def test_each_engine_response_reaches_the_pipeline_and_its_delta_the_outbox_in_o
     ] * 3
     (request,) = pb_utils.bls_requests
     assert request.input("input_ids").tolist() == [[1, 2]]
+
+
+def test_an_engine_error_after_the_first_response_arrives_in_band_and_fails_the_request(engine, pb_utils):
+    """tritonserver 2.51's Python backend never hands an error response that follows another to the BLS iterator:
+    the stream waited for ever. Asked with ERRORS_IN_BAND, the engine model sends such an error as GENERATION_ERROR,
+    which this model raises with the engine's kind."""
+    bls_model, model = engine
+    message = "[invalid_input] min_tokens: is 6, but the guide's grammar ends after 1 tokens"
+    late = pb_utils.Tensor(GENERATION_ERROR, np.array([[message.encode()]], dtype=object))
+    pb_utils.bls_handler = lambda request: [
+        pb_utils.InferenceResponse(tokens(pb_utils, 5)),
+        pb_utils.InferenceResponse([late]),
+    ]
+    pipeline = Pipeline()
+    with pytest.raises(Exception) as failed:
+        model._run_engine(pipeline, bls_model._Request(pb_utils.ResponseSender()))
+    (sent,) = pb_utils.bls_requests
+    assert GENERATION_ERROR in sent.requested_output_names and sent.input(ERRORS_IN_BAND).tolist() == [[True]]
+    assert len(pipeline.pushed) == 1, "the in-band error is not text"
+    response = bls_model.error_response(failed.value)
+    assert response.error().message() == message and response.error().code() == pb_utils.TritonError.INVALID_ARG
 
 
 def test_bls_refuses_a_request_past_max_inflight_requests_as_busy(bls, pb_utils):

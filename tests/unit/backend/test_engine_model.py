@@ -25,10 +25,12 @@ from tests.unit.backend import fake_pb_utils
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, GenerationRequest
 from tritonllm.errors import ErrorKind, InputError
 from tritonllm.protocol import (
+    ERRORS_IN_BAND,
     FINISH_CANCELLED,
     FINISH_EOS,
     FINISH_ERROR,
     FINISH_LENGTH,
+    GENERATION_ERROR,
     KV_CACHE_OUTPUTS,
     PERF_OUTPUTS,
 )
@@ -689,6 +691,30 @@ def test_an_engine_error_ends_a_stream_after_its_tokens(model, pb_utils):
     assert ErrorKind.of_message(stream.sender.sent[-1][0].error().message()) is ErrorKind.INTERNAL
     late(Emission([6], FINISH_CANCELLED))  # an emission racing the end (a cancel's): the request is answered already
     assert len(stream.sender.sent) == 2
+
+
+def test_a_late_error_goes_in_band_where_the_request_asks(model, pb_utils):
+    """tensorrt_llm_bls asks (errors_in_band): through BLS, tritonserver 2.51 loses an error response that follows
+    another. A client that does not ask gets the error response, whatever outputs it names."""
+    in_band = {ERRORS_IN_BAND: np.array([[True]])}
+    stream = request(pb_utils, [1, 2], **STREAMING, **in_band)
+    model.execute([stream])
+    model.engine.emit("e0", Emission([5]))
+    model.engine.emit("e0", Emission([], FINISH_ERROR, error="boom"))
+    (first, _), (last, flags) = stream.sender.sent
+    assert not first.has_error() and not last.has_error() and flags == FINAL
+    message = pb_utils.get_output_tensor_by_name(last, GENERATION_ERROR).as_numpy().reshape(-1)[0].decode()
+    assert message.startswith(ErrorKind.INTERNAL.tag) and "boom" in message
+    first_error = request(pb_utils, [1, 2], **STREAMING, **in_band)
+    model.execute([first_error])
+    model.engine.emit("e1", Emission([], FINISH_ERROR, error="boom"))
+    [(response, _)] = first_error.sender.sent
+    assert response.has_error(), "a first response is delivered either way: a plain error"
+    plain = request(pb_utils, [1, 2], requested=["output_ids", GENERATION_ERROR], **STREAMING)
+    model.execute([plain])
+    model.engine.emit("e2", Emission([5]))
+    model.engine.emit("e2", Emission([], FINISH_ERROR, error="boom"))
+    assert plain.sender.sent[-1][0].has_error()
 
 
 def test_an_engine_error_in_one_row_ends_the_whole_request_once(model, pb_utils):
