@@ -165,17 +165,12 @@ def run_genai_perf(
             str(max_tokens),
             "--artifact-dir",
             str(artifacts),
+            "--verbose",  # perf_analyzer's own output, which says why it failed, is discarded without it
             "--",  # to perf_analyzer
             "--request-count",
             str(request_count(concurrency)),
         ]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=out)
-        exports = list(artifacts.glob("**/profile_export_genai_perf.json"))
-        if result.returncode != 0 or not exports:
-            raise PerfError(
-                f"genai-perf failed at concurrency {concurrency}:\n{result.stdout[-1500:]}{result.stderr[-1500:]}"
-            )
-        data = json.loads(exports[0].read_text())
+        data = _genai_perf_export(command, env, out, artifacts, concurrency)
         row = {
             "concurrency": concurrency,
             "output_tokens_per_s": round(data["output_token_throughput"]["avg"], 2),
@@ -190,6 +185,22 @@ def run_genai_perf(
         writer.writeheader()
         writer.writerows(rows)
     return rows
+
+
+def _genai_perf_export(command: list[str], env: dict, cwd: Path, artifacts: Path, concurrency: int) -> dict:
+    """genai-perf's summary of one level. A failed run is shown and tried once more: on a loaded host perf_analyzer
+    has ended with an empty profile export that genai-perf then failed to parse, while the server answered."""
+    why = ""
+    for attempt in range(2):
+        if attempt:
+            progress(f"{why}\nperf: trying genai-perf once more")
+        shutil.rmtree(artifacts, ignore_errors=True)
+        result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=cwd)
+        exports = list(artifacts.glob("**/profile_export_genai_perf.json"))
+        if result.returncode == 0 and exports:
+            return json.loads(exports[0].read_text())
+        why = f"genai-perf failed at concurrency {concurrency}:\n{result.stdout[-3000:]}{result.stderr[-1500:]}"
+    raise PerfError(why)
 
 
 def progress(text: str) -> None:
