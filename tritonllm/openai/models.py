@@ -36,6 +36,7 @@ PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty: OpenAI's -2..2
 # grammar compiler; real schemas stay far below.
 MAX_SCHEMA_DEPTH = 64
 INT32_MAX = 2**31 - 1  # the integer controls travel as INT32 tensors
+FLOAT32_MAX = 3.4028234663852886e38  # and the others as FP32: a larger number would arrive as infinity
 
 # Accepted and changing nothing by nature: identifiers and storage options of OpenAI's platform.
 NO_OPS = (
@@ -175,7 +176,7 @@ class SamplingRequest(Body):
     # vLLM's extra parameters.
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)  # -1 or 0: off
     min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=FLOAT32_MAX)
     ignore_eos: bool = False
     bad_words: list[str] | None = None
     guided_json: dict | str | None = None

@@ -138,6 +138,7 @@ def test_logprobs_without_top_logprobs_asks_for_the_chosen_tokens_only():
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 1e39}, "repetition_penalty"),  # past FP32: infinity in the tensor
         ({"top_k": -2}, "top_k"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
