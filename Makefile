@@ -55,15 +55,23 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 QUANT ?= none
 TP ?= 1
 PP ?= 1
-# ENGINE=trtllm-llmapi: TensorRT-LLM's LLM API (PyTorch backend) on the Hugging Face folder, in the same image. Its
-# build only renders (no engine to build, anywhere); `make serve` builds the image first.
+# ENGINE=trtllm-llmapi: TensorRT-LLM's LLM API (PyTorch backend) on the Hugging Face folder, on the release
+# LLM_API_RELEASE (1.2.1: the same image; 1.4: NVIDIA's TensorRT-LLM release image; tritonllm/versions.py). Its build
+# only renders (no engine to build, anywhere) and records the release; `make serve` builds that release's image first.
+LLM_API_RELEASE ?= 1.2.1
 TRTLLM_FLAVORS := trtllm trtllm-llmapi
-TRTLLM_ARGS := $(if $(filter $(TRTLLM_FLAVORS),$(ENGINE)),--quant $(QUANT) --tp $(TP) --pp $(PP))
+TRTLLM_ARGS := $(if $(filter $(TRTLLM_FLAVORS),$(ENGINE)),--quant $(QUANT) --tp $(TP) --pp $(PP)) \
+	$(if $(filter trtllm-llmapi,$(ENGINE)),--llm-api-release $(LLM_API_RELEASE))
+# The release whose image `make trtllm-image` builds: the engine flavor's is always 1.2.1's (the docker module's
+# default). IMAGE_FOR_BUILD, which `make serve` sets: the build folder, whose recorded release then wins.
+IMAGE_RELEASE = $(if $(filter trtllm,$(ENGINE)),,$(LLM_API_RELEASE))
+IMAGE_FOR_BUILD =
 
 build: $(VENV)/.installed $(if $(filter trtllm,$(ENGINE)),trtllm-image)
 	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR) $(if $(MODEL),--model "$(MODEL)") \
 		$(TRTLLM_ARGS) $(BUILD_ARGS)
 
+serve: IMAGE_FOR_BUILD = --build-dir $(BUILD_DIR)
 serve: $(if $(filter trtllm-llmapi,$(ENGINE)),trtllm-image)
 	@test -f $(BUILD_DIR)/manifest.json || $(MAKE) --no-print-directory build
 ifneq ($(filter $(TRTLLM_FLAVORS),$(ENGINE)),)
@@ -75,11 +83,12 @@ else
 		$(if $(API_KEY),--api-key "$(API_KEY)") $(if $(OPENAI_WORKERS),--openai-workers $(OPENAI_WORKERS))
 endif
 
-# The image both flavors' GPU runs use: checks Docker and a GPU first, so the error comes before a long pull.
+# The image the TensorRT-LLM flavors' GPU runs use (IMAGE_RELEASE's): checks Docker and a GPU first, so the error
+# comes before a long pull.
 trtllm-image: $(VENV)/.installed
 	@$(PY) -m tritonllm.trtllm.docker check $$(( $(TP) * $(PP) ))
-	docker build --target trtllm -t $$($(PY) -m tritonllm.trtllm.docker image) \
-		--build-arg TRITON_TAG=$$($(PY) -m tritonllm.versions TRITON_TAG) .
+	@args="$$($(PY) -m tritonllm.trtllm.docker build-args $(IMAGE_RELEASE) $(IMAGE_FOR_BUILD))" \
+		&& echo "docker build $$args ." && docker build $$args .
 
 # The integration tests also serve NVIDIA's decoupled deployment of the same model (tests/conftest.py).
 test: build

