@@ -6,9 +6,10 @@ The LLM is made from the arguments the build wrote (tritonllm/engine/llmapi_conf
 iterators, so one event loop thread calls `generate_async` (the async queue of a result exists only when a loop runs
 where it is made) and reads every request's steps. A request's tokens go through tritonllm/engine/lifecycle.py, as
 in the other engines: stop words, max tokens and the end id end it there, and its emissions and timings are made
-there. Names are those read in NVIDIA's sources nearest the pinned 1.2.1 (docs/llmapi.md lists them and the copies
-read: tensorrt_llm/llmapi/llm.py, executor/result.py, sampling_params.py); only `LlmApi.load` imports tensorrt_llm,
-so the CPU tests drive this class with a stand-in (tests/standins/tensorrt_llm).
+there. Names are those read in NVIDIA's sources nearest each release (tests/standins/tensorrt_llm/surface.py lists
+them with the copies read: tensorrt_llm/llmapi/llm.py, executor/result.py, sampling_params.py), where they differ
+mapped by the release's SamplerRules; only `LlmApi.load` imports tensorrt_llm, so the CPU tests drive this class with
+a stand-in of each release (tests/standins/tensorrt_llm).
 """
 
 from __future__ import annotations
@@ -30,9 +31,17 @@ from tritonllm.engine.checks import check_submit
 from tritonllm.engine.grammar_check import check_guide
 from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.engine.llmapi_config import TOKENS_PER_BLOCK
-from tritonllm.engine.llmapi_params import TokenRules, guided_decoding_kwargs, sampling_kwargs, token_rules
+from tritonllm.engine.llmapi_params import (
+    SAMPLER_RULES,
+    TokenRules,
+    check_sampler,
+    guided_decoding_kwargs,
+    sampling_kwargs,
+    token_rules,
+)
 from tritonllm.errors import ConfigError, EngineFailure
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH
+from tritonllm.versions import LLM_API_RELEASES
 
 # CompletionOutput.finish_reason (executor/result.py) -> ours. "stop" is the end id: stop words are never handed
 # to the LLM API (tritonllm/engine/llmapi_params.py), so none of its stops is one.
@@ -44,13 +53,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class LlmApi:
-    """The parts of `tensorrt_llm` the engine uses (1.2.1 module paths in comments)."""
+    """The parts of `tensorrt_llm` the engine uses (module paths in comments, the same in 1.2.1 and 1.4.0rc4)."""
 
     version: str
     LLM: Any  # tensorrt_llm.LLM (tensorrt_llm/llmapi/llm.py), the PyTorch backend's
     SamplingParams: Any  # tensorrt_llm.SamplingParams (tensorrt_llm/sampling_params.py)
     GuidedDecodingParams: Any  # tensorrt_llm.sampling_params.GuidedDecodingParams
     LogitsProcessor: Any  # tensorrt_llm.sampling_params.LogitsProcessor, an abstract base with __call__
+    LogprobMode: Any = None  # tensorrt_llm.sampling_params.LogprobMode, on 1.4 only
 
     @classmethod
     def load(cls) -> LlmApi:
@@ -62,7 +72,14 @@ class LlmApi:
                 "in NVIDIA's TensorRT-LLM image (`make serve ENGINE=trtllm-llmapi`)"
             ) from exc
         params = importlib.import_module("tensorrt_llm.sampling_params")
-        return cls(trt.__version__, trt.LLM, trt.SamplingParams, params.GuidedDecodingParams, params.LogitsProcessor)
+        return cls(
+            trt.__version__,
+            trt.LLM,
+            trt.SamplingParams,
+            params.GuidedDecodingParams,
+            params.LogitsProcessor,
+            getattr(params, "LogprobMode", None),
+        )
 
 
 @dataclass(eq=False)
@@ -73,8 +90,23 @@ class _Request:
 
 
 class LlmApiEngine(BlockingGenerate):
-    def __init__(self, llm_kwargs: dict, api: LlmApi | None = None) -> None:
+    def __init__(self, settings: dict, api: LlmApi | None = None) -> None:
+        """`settings`: the build's llm_api.json (LlmApiConfig.engine_settings): the release, its sampler, and the
+        LLM's arguments."""
+        release, llm_kwargs = settings["release"], settings["llm"]
         self.api = api or LlmApi.load()
+        if self.api.version != LLM_API_RELEASES[release].trtllm:
+            raise ConfigError(
+                f"this image runs TensorRT-LLM {self.api.version}, but the build is for {release} "
+                f"({LLM_API_RELEASES[release].trtllm}): serve it in {LLM_API_RELEASES[release].image}, or rebuild with "
+                "--llm-api-release for this image's release"
+            )
+        self.rules = SAMPLER_RULES[release, settings["sampler"]]
+        if self.rules.logprobs_mode and self.api.LogprobMode is None:
+            raise ConfigError(
+                f"tensorrt_llm {self.api.version} has no sampling_params.LogprobMode, which {self.rules.name} "
+                "log probabilities are asked with"
+            )
         # A virtual subclass of the release's abstract LogitsProcessor passes its isinstance checks and, a class at
         # module level, pickles: TensorRT-LLM pickles a request's logits processor to its worker processes.
         self.api.LogitsProcessor.register(TokenRules)
@@ -95,6 +127,7 @@ class LlmApiEngine(BlockingGenerate):
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         check_submit(request, self.submit_rules)
+        check_sampler(request, self.rules)
         if request.guide is not None:  # compiled in TensorRT-LLM's batch step, where a bad one fails late
             check_guide(request.guide.type, request.guide.text)
         params = self._sampling_params(request)
@@ -137,7 +170,9 @@ class LlmApiEngine(BlockingGenerate):
         self._thread.join(timeout=SHUTDOWN_SECONDS)
 
     def _sampling_params(self, request: GenerationRequest):
-        kwargs = sampling_kwargs(request)
+        kwargs = sampling_kwargs(request, self.rules)
+        if self.rules.logprobs_mode and "logprobs" in kwargs:
+            kwargs["logprobs_mode"] = self.api.LogprobMode.PROCESSED
         if request.guide is not None:
             kwargs["guided_decoding"] = self.api.GuidedDecodingParams(**guided_decoding_kwargs(request.guide))
         rules = token_rules(request)

@@ -12,8 +12,51 @@ Everything here is plain Python; `TokenRules` touches torch only when TensorRT-L
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tritonllm.engine.api import GenerationRequest, Guide, ends_with
+from tritonllm.errors import InputError
 from tritonllm.protocol import MAX_TOP_LOG_PROBS
+
+AFTER_TEMPERATURE, BEFORE_TEMPERATURE, IGNORED = "after the temperature", "before the temperature", "ignored"
+
+
+@dataclass(frozen=True)
+class SamplerRules:
+    """How one release's sampler reads the fields where the releases differ (tests/standins/tensorrt_llm/surface.py
+    has each with its source)."""
+
+    name: str  # "TensorRT-LLM 1.4's TorchSampler", for messages
+    # Where presence and frequency are subtracted: the C++ sampler's kernel after dividing the logits by the
+    # temperature; 1.4's TorchSampler before it; 1.2.1's TorchSampler not at all (TensorRT-LLM PR #16485 added them).
+    penalties: str
+    # logprobs=0: the sampled token's log probability alone (1.4); on 1.2.1, 0 is falsy and asks for none.
+    chosen_alone: bool
+    # SamplingParams.logprobs_mode exists (1.4; its default, RAW, is the model's logits before any sampling control):
+    # the processed distribution, which the token was drawn from, is asked for, as the C++ sampler returns it.
+    logprobs_mode: bool
+
+
+SAMPLER_RULES = {
+    ("1.2.1", "TRTLLMSampler"): SamplerRules("TensorRT-LLM 1.2.1's TRTLLMSampler", AFTER_TEMPERATURE, False, False),
+    ("1.2.1", "TorchSampler"): SamplerRules("TensorRT-LLM 1.2.1's TorchSampler", IGNORED, False, False),
+    ("1.4", "TorchSampler"): SamplerRules("TensorRT-LLM 1.4's TorchSampler", BEFORE_TEMPERATURE, True, True),
+}
+
+
+def check_sampler(request: GenerationRequest, rules: SamplerRules) -> None:
+    """InputError, naming the input, for a control the release's sampler would silently drop."""
+    if rules.penalties != IGNORED:
+        return
+    penalties = request.penalties
+    for name, used in (
+        ("repetition_penalty", penalties.repetition != 1.0),
+        ("presence_penalty", penalties.presence != 0.0),
+        ("frequency_penalty", penalties.frequency != 0.0),
+    ):
+        if used:
+            raise InputError(name, f"{rules.name} ignores penalties: rebuild with --llm-api-sampler TRTLLMSampler")
+
 
 # Guide types (protocol.GUIDE_TYPES) -> GuidedDecodingParams field and value: TensorRT-LLM's GuideType names map to
 # json_object (any JSON), json (a schema), regex and grammar (EBNF) in its own _get_guided_decoding_params.
@@ -25,9 +68,10 @@ def guided_decoding_kwargs(guide: Guide) -> dict:
     return {field: True} if field == "json_object" else {field: guide.text}
 
 
-def sampling_kwargs(request: GenerationRequest) -> dict:
+def sampling_kwargs(request: GenerationRequest, rules: SamplerRules) -> dict:
     """SamplingParams(**kwargs) for one engine request (n = 1: the engine model sends each of num_return_sequences
-    as a request of its own, with its own seed, as the other engines take them)."""
+    as a request of its own, with its own seed, as the other engines take them), for the release's sampler. The
+    enum-valued logprobs_mode is added by the engine, which has the release's LogprobMode."""
     kwargs: dict = {
         "max_tokens": request.max_new_tokens,
         # The postprocessing model detokenizes; the prompt is added back by the engine model when asked.
@@ -51,18 +95,19 @@ def sampling_kwargs(request: GenerationRequest) -> dict:
     if penalties.repetition != 1.0:
         kwargs["repetition_penalty"] = penalties.repetition
     if penalties.presence or penalties.frequency:
-        # TensorRT-LLM subtracts presence and frequency after dividing the logits by the temperature; the engine
-        # request's are for before it (the engine model scaled a TensorRT-LLM-rule request's by its temperature,
-        # tritonllm/backend/engine_io.py), so they are divided by the temperature this draw uses. A greedy request
-        # is sent no temperature: its values stay as they are, which keeps the engine flavor's argmax. OpenAI's rule
-        # counts the generated tokens only: prompt_ignore_length leaves the prompt's out.
-        scale = sampling.temperature if sampling.sample else 1.0
+        # The engine request's are for before the temperature (the engine model scaled a TensorRT-LLM-rule request's
+        # by its temperature, tritonllm/backend/engine_io.py): a sampler that subtracts them after dividing the
+        # logits by the temperature gets them divided by the temperature this draw uses. A greedy request is sent no
+        # temperature: its values stay as they are, which keeps the engine flavor's argmax. OpenAI's rule counts the
+        # generated tokens only: prompt_ignore_length leaves the prompt's out.
+        scale = sampling.temperature if sampling.sample and rules.penalties == AFTER_TEMPERATURE else 1.0
         if not penalties.count_prompt:
             kwargs["prompt_ignore_length"] = len(request.input_ids)
         kwargs["presence_penalty"] = penalties.presence / scale
         kwargs["frequency_penalty"] = penalties.frequency / scale
     if request.log_probs >= 0:  # the chosen token's, read from the k most likely (tritonllm/engine/llmapi.py)
-        kwargs["logprobs"] = min(max(request.log_probs, 1), MAX_TOP_LOG_PROBS)
+        least = 0 if rules.chosen_alone else 1
+        kwargs["logprobs"] = min(max(request.log_probs, least), MAX_TOP_LOG_PROBS)
     return kwargs
 
 

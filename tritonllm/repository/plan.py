@@ -369,8 +369,12 @@ def plan_llm_api(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         # API's reused blocks turned into the tokens they hold: kv_cache_block_tokens stays 1.
         # One instance: the LLM places its ranks on the GPUs itself (NVIDIA's llmapi model is KIND_CPU, count 1).
         engine_values={"engine_instance_kind": "KIND_CPU"},
-        details={"tp_size": config.tensor_parallel_size, "pp_size": config.pipeline_parallel_size},
-        files={f"{ENGINE_FOLDER}/1/{LLM_API_CONFIG_FILE}": json.dumps(config.llm_kwargs(), indent=2) + "\n"},
+        details={
+            "tp_size": config.tensor_parallel_size,
+            "pp_size": config.pipeline_parallel_size,
+            "llm_api_release": config.llm_api_release,
+        },
+        files={f"{ENGINE_FOLDER}/1/{LLM_API_CONFIG_FILE}": json.dumps(config.engine_settings(), indent=2) + "\n"},
     )
 
 

@@ -2,10 +2,12 @@
 
 It checks its arguments as the release does (surface.py: unknown names are refused) and runs the requests on the
 project's llama.cpp engine, from the folder TRITONLLM_STANDIN_ENGINE names (one holding engine.json, as the default
-build writes it), with SamplingParams translated by TensorRT-LLM's rules: greedy when temperature, top_k and top_p
-are unset; presence and frequency after the temperature, over the prompt's tokens too unless prompt_ignore_length
-leaves them out. What the project never sends (stop and bad strings or ids, a dense embedding bias, beams) is
-refused, so a test fails if it starts to; logits processors are refused too: llama.cpp's step takes none.
+build writes it), with SamplingParams translated by the release's rules: greedy when temperature, top_k and top_p
+are unset; presence and frequency after the temperature (the C++ sampler), before it (1.4's TorchSampler) or not at
+all (1.2.1's TorchSampler), over the prompt's tokens too unless prompt_ignore_length leaves them out; logprobs=0 as
+none (1.2.1) or as the chosen token's alone (1.4). What the project never sends (stop and bad strings or ids, a dense
+embedding bias, beams, 1.4's raw log probabilities) is refused, so a test fails if it starts to; logits processors
+are refused too: llama.cpp's step takes none.
 """
 
 from __future__ import annotations
@@ -21,12 +23,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from tensorrt_llm import sampling_params as _params
 from tensorrt_llm.sampling_params import GuidedDecodingParams, SamplingParams, _implies_greedy
 from tensorrt_llm.surface import (
     CUDA_GRAPH_CONFIG_FIELDS,
+    DEFAULT_SAMPLER,
     GUIDED_DECODING_BACKENDS,
     KV_CACHE_CONFIG_FIELDS,
     LLM_ARGS,
+    LOGPROBS_ZERO_IS_NONE,
+    RELEASE,
+    SAMPLER_TYPES,
+    TORCH_SAMPLER_PENALTIES,
 )
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, EngineConfig, GenerationRequest, Guide, Penalties
 from tritonllm.engine.api import SamplingParams as EngineSampling
@@ -180,6 +188,10 @@ class LLM:
             _check_fields("CudaGraphConfig", kwargs["cuda_graph_config"], CUDA_GRAPH_CONFIG_FIELDS)
         if kwargs.get("guided_decoding_backend") not in (None, *GUIDED_DECODING_BACKENDS):
             raise ValueError(f"guided_decoding_backend {kwargs['guided_decoding_backend']!r}")
+        sampler = kwargs.get("sampler_type", "auto")
+        if sampler not in SAMPLER_TYPES:
+            raise ValueError(f"sampler_type {sampler!r}: TensorRT-LLM {RELEASE} takes {', '.join(SAMPLER_TYPES)}")
+        self._sampler = DEFAULT_SAMPLER if sampler == "auto" or RELEASE == "1.4" else sampler
         if not Path(model).is_dir():
             raise ValueError(f"model {model} is not a folder")
         from tritonllm.engine.llamacpp import LlamaCppEngine
@@ -203,6 +215,9 @@ class LLM:
         scheduling_params=None,
         cache_salt=None,
     ) -> RequestOutput:
+        return self._submit(inputs, sampling_params, lora_request, streaming)
+
+    def _submit(self, inputs, sampling_params, lora_request, streaming) -> RequestOutput:
         if lora_request is not None:
             raise ValueError("lora_request: no LoRA is configured")  # as the release: only with lora_config
         # The release pickles a request, logits processor included, to its worker processes.
@@ -238,8 +253,9 @@ class LLM:
                 top_p=1.0 if params.top_p is None else params.top_p,
                 seed=params.seed or 0,
             )
-        # TensorRT-LLM subtracts presence and frequency after the temperature; the engine before it.
-        scale = sampling.temperature if sampling.sample else 1.0
+        # The C++ sampler subtracts presence and frequency after the temperature, the engine before it.
+        rule = "after the temperature" if self._sampler == "TRTLLMSampler" else TORCH_SAMPLER_PENALTIES
+        scale = sampling.temperature if sampling.sample and rule == "after the temperature" else 1.0
         penalties = Penalties(
             repetition=1.0 if params.repetition_penalty is None else params.repetition_penalty,
             presence=(params.presence_penalty or 0.0) * scale,
@@ -247,6 +263,13 @@ class LLM:
             min_tokens=1 if params.min_tokens is None else params.min_tokens,
             count_prompt=params.prompt_ignore_length is None,
         )
+        if rule == "ignored":
+            penalties = Penalties(min_tokens=penalties.min_tokens)
+        log_probs = (
+            -1 if params.logprobs is None or (LOGPROBS_ZERO_IS_NONE and not params.logprobs) else params.logprobs
+        )
+        if log_probs >= 0 and RELEASE == "1.4" and params.logprobs_mode != _params.LogprobMode.PROCESSED:
+            raise ValueError("logprobs_mode: the project asks for the processed distribution's")
         guide = None
         if params.guided_decoding is not None:
             if self.args.get("guided_decoding_backend") is None:
@@ -259,7 +282,7 @@ class LLM:
             sampling,
             streaming=True,
             penalties=penalties,
-            log_probs=-1 if params.logprobs is None else params.logprobs,
+            log_probs=log_probs,
             guide=guide,
         )
 
@@ -284,3 +307,26 @@ def _guide(params: GuidedDecodingParams) -> Guide:
     (name,) = [f.name for f in dataclasses.fields(params) if getattr(params, f.name)]
     value = getattr(params, name)
     return Guide(_GUIDES[name], "" if value is True else value)
+
+
+def _generate_async_1_4(
+    self,
+    inputs,
+    sampling_params: SamplingParams | None = None,
+    lora_request=None,
+    prompt_adapter_request=None,
+    streaming: bool = False,
+    kv_cache_retention_config=None,
+    disaggregated_params=None,
+    trace_headers=None,
+    _postproc_params=None,
+    scheduling_params=None,
+    conversation_params=None,
+    cache_salt=None,
+    priority=0.5,
+) -> RequestOutput:
+    return self._submit(inputs, sampling_params, lora_request, streaming)
+
+
+if RELEASE == "1.4":
+    LLM.generate_async = _generate_async_1_4

@@ -1,12 +1,14 @@
-"""Stand-ins of tensorrt_llm/sampling_params.py's SamplingParams, GuidedDecodingParams and LogitsProcessor: the
-release's field names and defaults (surface.py), keyword-only as there, and the checks its `_validate` makes."""
+"""Stand-ins of tensorrt_llm/sampling_params.py's SamplingParams, GuidedDecodingParams, LogitsProcessor and (1.4)
+LogprobMode: the release's field names and defaults (surface.py), keyword-only as there, and the checks its
+`_validate` makes."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from abc import ABC, abstractmethod
 
-from tensorrt_llm.surface import GUIDED_DECODING_FIELDS, SAMPLING_PARAMS_FIELDS
+from tensorrt_llm.surface import GUIDED_DECODING_FIELDS, LOGPROB_MODES, SAMPLING_PARAMS_FIELDS
 
 # The fields whose default is not None (S:204-273).
 _DEFAULTS = {
@@ -25,7 +27,13 @@ _DEFAULTS = {
     "add_special_tokens": True,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
+    "logprobs_simple_format": False,  # 1.4
+    "prompt_logprobs_simple_format": False,  # 1.4
 }
+if LOGPROB_MODES:
+    LogprobMode = enum.StrEnum("LogprobMode", {mode.upper(): mode for mode in LOGPROB_MODES})
+    LogprobMode.__module__ = __name__
+    _DEFAULTS["logprobs_mode"] = LogprobMode.RAW
 
 
 class LogitsProcessor(ABC):
@@ -57,7 +65,10 @@ def _implies_greedy(params) -> bool:
 
 
 def _post_init(self) -> None:
-    """S:278-334: pad_id follows end_id, best_of follows n, then _validate's checks."""
+    """S:278-334: pad_id follows end_id, best_of follows n, then _validate's checks; a boolean logprobs is 1 or
+    none on 1.2.1 (S:332-333), 0 or none on 1.4 (C1 sampling.py ~450-453)."""
+    if isinstance(self.logprobs, bool):
+        self.logprobs = (0 if LOGPROB_MODES else 1) if self.logprobs else None
     if self.pad_id is None:
         self.pad_id = self.end_id
     self.best_of = self.best_of or self.n

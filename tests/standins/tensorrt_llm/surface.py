@@ -1,14 +1,28 @@
-"""The parts of TensorRT-LLM 1.2.1's LLM API the project uses, as read in NVIDIA's sources.
+"""The parts of TensorRT-LLM's LLM API the project uses, as read in NVIDIA's sources, for each release the flavor
+runs on (tritonllm/versions.py LLM_API_RELEASES). TRITONLLM_STANDIN_RELEASE picks the release the stand-in is
+(1.2.1 by default); the names below are that release's.
 
-No stored copy of the 1.2.1 tree could be read (its repository is too large to fetch here, and its wheel is served
-only from NVIDIA's own index). The names below come from the nearest copies, and each one is in both an older and a
-newer copy unless said otherwise:
+No stored copy of the 1.2.1 or 1.4.0rc4 tree could be read (the repository is too large to fetch here, and the wheels
+are served only from NVIDIA's own index). The 1.2.1 names come from the nearest copies, and each one is in both an
+older and a newer copy unless said otherwise:
 - S: tensorrt_llm/sampling_params.py @ b35ac1b64368513d215c57d2ed01d62d910df8da (version.py: 1.2.0rc2), line numbers;
 - A: tensorrt_llm/llmapi/llm_args.py, a late-2025 copy (TorchLlmArgs, KvCacheConfig, CudaGraphConfig: pydantic models
   with extra="forbid"; LLM(**kwargs) refuses any other name with "LLM got invalid argument");
 - L: tensorrt_llm/llmapi/llm.py @ 4c05a74891e4df8066f08ed4ce14b0972abe4e25 (~1.1) and a 1.3/1.4 copy: generate_async;
 - R: tensorrt_llm/executor/result.py @ a678b91aafbeff265cd0b764abb59d7def624ac2 (~1.1) and a 2026 copy: results.
+The 1.4 differences come from 1.4.0rc4's documentation (D: features/sampling.html, the TorchLlmArgs, KvCacheConfig
+and sampling_params module pages) and the nearest main-branch copy before it, C1 =
+1f064c467a211b4168555ca06bb9b801c64eae20 (llmapi/llm_args.py, llmapi/llm.py, executor/result.py and
+executor/params/sampling.py, where sampling_params.py moved; line numbers of the last, approximate), with the
+TorchSampler modules of _torch/pyexecutor/sampler/ (P: penalties.py @ 0a0ceb0c3f403ef89ccbd8d5aabd4ee92298167d).
 """
+
+import os
+
+RELEASE = os.environ.get("TRITONLLM_STANDIN_RELEASE", "1.2.1")
+if RELEASE not in ("1.2.1", "1.4"):
+    raise ImportError(f"TRITONLLM_STANDIN_RELEASE={RELEASE}: the stand-in is of 1.2.1 or 1.4")
+VERSION = {"1.2.1": "1.2.1", "1.4": "1.4.0rc4"}[RELEASE]
 
 # S:204-273, `@dataclass(slots=True, kw_only=True) class SamplingParams` (S:112-113), in order.
 SAMPLING_PARAMS_FIELDS = (
@@ -72,3 +86,40 @@ FINISH_REASONS = ("stop", "length", "timeout", "cancelled")  # R: CompletionOutp
 # R: `@dataclass(slots=True) class Logprob: logprob: float; rank: Optional[int] = None`;
 # TokenLogprobs = list[dict[int, Logprob]]. RequestPerfMetrics (bindings): kv_cache_metrics.num_reused_blocks.
 LOGPROB_FIELDS = ("logprob", "rank")
+
+# ------------------------------------------------------------------ where 1.4 differs
+
+# sampler_type: 1.2.1 (A) takes TRTLLMSampler, TorchSampler or auto (TorchSampler); 1.4 runs TorchSampler only and
+# takes auto or TorchSampler, ignored, and refuses TRTLLMSampler (D: sampling.html "General usage"; PRs #18232, #18513).
+SAMPLER_TYPES = ("TRTLLMSampler", "TorchSampler", "auto")
+DEFAULT_SAMPLER = "TorchSampler"  # auto's, on both
+# logprobs=0: 1.2.1's _validate keeps 0, which return_log_probs = bool(logprobs) reads as none (S:333, S:485); 1.4
+# returns the sampled token's log probability alone (C1 sampling.py ~248; D).
+LOGPROBS_ZERO_IS_NONE = True
+# Presence and frequency: the C++ sampler subtracts them after the temperature; TorchSampler on 1.2.1 ignores them
+# (TensorRT-LLM PR #16485 added them later); on 1.4 it subtracts them from the raw logits, before the temperature
+# (P:~238-242, "bias -> penalty -> bans -> temperature -> sampling").
+TORCH_SAMPLER_PENALTIES = "ignored"
+LOGPROB_MODES: tuple[str, ...] = ()  # SamplingParams.logprobs_mode's LogprobMode values (C1 sampling.py 110-119)
+
+if RELEASE == "1.4":
+    # C1 sampling.py ~185-369: the 1.2.1 fields in their order, with logprobs_mode after use_beam_search,
+    # logprobs_simple_format and prompt_logprobs_simple_format after prompt_logprobs, thinking_token_budget after
+    # guided_decoding.
+    _fields = list(SAMPLING_PARAMS_FIELDS)
+    _fields.insert(_fields.index("use_beam_search") + 1, "logprobs_mode")
+    _at = _fields.index("prompt_logprobs") + 1
+    _fields[_at:_at] = ["logprobs_simple_format", "prompt_logprobs_simple_format"]
+    _fields.insert(_fields.index("guided_decoding") + 1, "thinking_token_budget")
+    SAMPLING_PARAMS_FIELDS = tuple(_fields)
+    # C1 llm.py `def generate_async(`: trace_headers, conversation_params and priority added.
+    GENERATE_ASYNC_PARAMETERS = (
+        "inputs", "sampling_params", "lora_request", "prompt_adapter_request", "streaming",
+        "kv_cache_retention_config", "disaggregated_params", "trace_headers", "_postproc_params",
+        "scheduling_params", "conversation_params", "cache_salt", "priority",
+    )  # fmt: skip
+    LLM_ARGS = (*LLM_ARGS, "generation_config")  # C1 llm_args.py: "trtllm" by default, the release's own defaults
+    SAMPLER_TYPES = ("TorchSampler", "auto")
+    LOGPROBS_ZERO_IS_NONE = False
+    TORCH_SAMPLER_PENALTIES = "before the temperature"
+    LOGPROB_MODES = ("raw", "processed")

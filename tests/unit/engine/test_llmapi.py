@@ -1,6 +1,6 @@
-"""The LLM API flavor's engine (tritonllm/engine/llmapi.py) over the stand-in of TensorRT-LLM 1.2.1's LLM API
-(tests/standins/tensorrt_llm), which checks every name the engine passes against the release's and runs the
-requests on the built model through llama.cpp."""
+"""The LLM API flavor's engine (tritonllm/engine/llmapi.py) over the stand-in of each TensorRT-LLM release's LLM API
+it runs on (tests/standins/tensorrt_llm), which checks every name the engine passes against that release's and runs
+the requests on the built model through llama.cpp."""
 
 from __future__ import annotations
 
@@ -21,34 +21,57 @@ from tests.polling import eventually
 from tests.unit.engine.conftest import emissions_of
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
 from tritonllm.engine.llmapi_config import LlmApiConfig
-from tritonllm.engine.llmapi_params import TokenRules, guided_decoding_kwargs, sampling_kwargs, token_rules
-from tritonllm.errors import EngineFailure, InputError
+from tritonllm.engine.llmapi_params import (
+    SAMPLER_RULES,
+    TokenRules,
+    check_sampler,
+    guided_decoding_kwargs,
+    sampling_kwargs,
+    token_rules,
+)
+from tritonllm.errors import ConfigError, EngineFailure, InputError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_EOS, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from tritonllm.versions import LLM_API_RELEASES
+
+CPP_SAMPLER = SAMPLER_RULES["1.2.1", "TRTLLMSampler"]
+TORCH_1_2 = SAMPLER_RULES["1.2.1", "TorchSampler"]
+TORCH_1_4 = SAMPLER_RULES["1.4", "TorchSampler"]
 
 STANDINS = ROOT / "tests" / "standins"
 ENGINE_FOLDER = BUILD / "model_repository" / "tensorrt_llm_decoupled" / "1"  # the default build's engine.json
 
 
-@pytest.fixture(scope="module")
-def standin():
-    """`import tensorrt_llm` finds the stand-in for this module's tests, and nothing after them."""
-    if not (ENGINE_FOLDER / "engine.json").is_file():
-        pytest.fail(f"needs the default build's {ENGINE_FOLDER}/engine.json (run `make build`)")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(STANDINS))
-        patch.setenv("TRITONLLM_STANDIN_ENGINE", str(ENGINE_FOLDER))
-        import tensorrt_llm
-
-        yield tensorrt_llm
+def forget_standin() -> None:
     for name in [n for n in sys.modules if n == "tensorrt_llm" or n.startswith("tensorrt_llm.")]:
         del sys.modules[name]
 
 
+@pytest.fixture(scope="module", params=list(LLM_API_RELEASES))
+def release(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def engine(standin, manifest):
+def standin(release):
+    """`import tensorrt_llm` finds the stand-in of `release` for this module's tests, and nothing after them."""
+    if not (ENGINE_FOLDER / "engine.json").is_file():
+        pytest.fail(f"needs the default build's {ENGINE_FOLDER}/engine.json (run `make build`)")
+    forget_standin()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(STANDINS))
+        patch.setenv("TRITONLLM_STANDIN_ENGINE", str(ENGINE_FOLDER))
+        patch.setenv("TRITONLLM_STANDIN_RELEASE", release)
+        import tensorrt_llm
+
+        yield tensorrt_llm
+    forget_standin()
+
+
+@pytest.fixture(scope="module")
+def engine(standin, manifest, release):
     from tritonllm.engine.llmapi import LlmApiEngine
 
-    eng = LlmApiEngine(LlmApiConfig(manifest["model_dir"], max_batch_size=8).llm_kwargs())
+    eng = LlmApiEngine(LlmApiConfig(manifest["model_dir"], max_batch_size=8, llm_api_release=release).engine_settings())
     yield eng
     eng.shutdown()
 
@@ -62,10 +85,12 @@ def prompt(tokenizer) -> list[int]:
 # ------------------------------------------------------------------ the stand-in is the recorded release surface
 
 
-def test_the_standin_has_the_recorded_names(standin):
+def test_the_standin_has_the_recorded_names(standin, release):
     from tensorrt_llm import surface
     from tensorrt_llm.llm import LLM, CompletionOutput, Logprob
     from tensorrt_llm.sampling_params import GuidedDecodingParams, LogitsProcessor
+
+    assert release == surface.RELEASE and standin.__version__ == LLM_API_RELEASES[release].trtllm
 
     assert tuple(f.name for f in dataclasses.fields(standin.SamplingParams)) == surface.SAMPLING_PARAMS_FIELDS
     assert tuple(f.name for f in dataclasses.fields(GuidedDecodingParams)) == surface.GUIDED_DECODING_FIELDS
@@ -82,8 +107,10 @@ def test_the_standin_has_the_recorded_names(standin):
 # ------------------------------------------------------------------ what the engine asks of the LLM API
 
 
-def test_the_build_arguments_are_llm_arguments(standin, manifest):
-    kwargs = LlmApiConfig(manifest["model_dir"], llm_api_cuda_graphs=False, kv_cache_reuse=False).llm_kwargs()
+def test_the_build_arguments_are_llm_arguments(standin, manifest, release):
+    kwargs = LlmApiConfig(
+        manifest["model_dir"], llm_api_cuda_graphs=False, kv_cache_reuse=False, llm_api_release=release
+    ).llm_kwargs()
     assert kwargs["cuda_graph_config"] is None and kwargs["kv_cache_config"]["enable_block_reuse"] is False
     llm = standin.LLM(**kwargs)  # refuses any name TorchLlmArgs, KvCacheConfig or CudaGraphConfig lacks
     llm.shutdown()
@@ -91,6 +118,36 @@ def test_the_build_arguments_are_llm_arguments(standin, manifest):
         standin.LLM(**kwargs, max_tokens_in_paged_kv_cache=1)
     graphs = LlmApiConfig(manifest["model_dir"], max_batch_size=24).llm_kwargs()["cuda_graph_config"]
     assert graphs == {"max_batch_size": 24, "enable_padding": True}
+
+
+def test_each_release_runs_its_own_sampler_and_refuses_another(standin, manifest, release):
+    """1.2.1 is sent TRTLLMSampler by default; 1.4, which refuses it, is sent no sampler_type (TorchSampler only)."""
+    config = LlmApiConfig(manifest["model_dir"], llm_api_release=release)
+    assert config.llm_kwargs().get("sampler_type") == {"1.2.1": "TRTLLMSampler", "1.4": None}[release]
+    settings = config.engine_settings()
+    assert (settings["release"], settings["sampler"]) == (
+        release,
+        {"1.2.1": "TRTLLMSampler", "1.4": "TorchSampler"}[release],
+    )
+    refused = "TorchSampler" if release == "1.2.1" else "TRTLLMSampler"
+    if release == "1.4":
+        with pytest.raises(
+            ConfigError, match=r"--llm-api-sampler TRTLLMSampler: TensorRT-LLM 1\.4 has TorchSampler only"
+        ):
+            LlmApiConfig(manifest["model_dir"], llm_api_release=release, llm_api_sampler=refused).check(100)
+        with pytest.raises(ValueError, match="sampler_type 'TRTLLMSampler'"):  # the release itself refuses it
+            standin.LLM(**{**config.llm_kwargs(), "sampler_type": "TRTLLMSampler"})
+    else:
+        LlmApiConfig(manifest["model_dir"], llm_api_release=release, llm_api_sampler=refused).check(100)
+
+
+def test_a_build_for_another_release_is_refused_when_the_engine_loads(standin, manifest, release):
+    from tritonllm.engine.llmapi import LlmApiEngine
+
+    other = next(r for r in LLM_API_RELEASES if r != release)
+    settings = LlmApiConfig(manifest["model_dir"], llm_api_release=other).engine_settings()
+    with pytest.raises(ConfigError, match=rf"runs TensorRT-LLM {standin.__version__}, but the build is for {other}"):
+        LlmApiEngine(settings)
 
 
 def every_control(**changes) -> GenerationRequest:
@@ -112,7 +169,7 @@ def every_control(**changes) -> GenerationRequest:
 
 def test_every_control_maps_to_a_sampling_params_field(standin):
     request = every_control()
-    kwargs = sampling_kwargs(request)
+    kwargs = sampling_kwargs(request, CPP_SAMPLER)
     assert kwargs == {
         "max_tokens": 9,
         "detokenize": False,
@@ -129,6 +186,10 @@ def test_every_control_maps_to_a_sampling_params_field(standin):
         "frequency_penalty": 0.5,
         "logprobs": 3,
     }
+    # 1.4's TorchSampler subtracts them before the temperature, as the engine request holds them.
+    assert sampling_kwargs(request, TORCH_1_4) == kwargs | {"presence_penalty": 0.5, "frequency_penalty": 0.25}
+    if "logprobs_mode" in standin.surface.SAMPLING_PARAMS_FIELDS:
+        kwargs["logprobs_mode"] = standin.sampling_params.LogprobMode.PROCESSED
     rules = token_rules(request)
     params = standin.SamplingParams(
         **kwargs,
@@ -139,7 +200,7 @@ def test_every_control_maps_to_a_sampling_params_field(standin):
 
 
 def test_greedy_requests_leave_the_draw_unset_and_no_end_id_ignores_eos(standin):
-    kwargs = sampling_kwargs(GenerationRequest([1, 2], 4))
+    kwargs = sampling_kwargs(GenerationRequest([1, 2], 4), CPP_SAMPLER)
     assert not {"temperature", "top_k", "top_p", "seed", "end_id", "min_tokens"} & set(kwargs)
     assert kwargs["ignore_eos"] is True
     standin.SamplingParams(**kwargs)
@@ -147,9 +208,36 @@ def test_greedy_requests_leave_the_draw_unset_and_no_end_id_ignores_eos(standin)
 
 def test_openai_penalties_count_the_generated_tokens_before_the_temperature():
     penalties = Penalties(presence=0.6, frequency=0.3, count_prompt=False)
-    kwargs = sampling_kwargs(every_control(penalties=penalties))
+    kwargs = sampling_kwargs(every_control(penalties=penalties), CPP_SAMPLER)
     assert kwargs["prompt_ignore_length"] == 4  # the prompt's tokens left out of the counts
     assert kwargs["presence_penalty"] == pytest.approx(1.2) and kwargs["frequency_penalty"] == pytest.approx(0.6)
+    kwargs = sampling_kwargs(every_control(penalties=penalties), TORCH_1_4)
+    assert kwargs["prompt_ignore_length"] == 4 and (kwargs["presence_penalty"], kwargs["frequency_penalty"]) == (
+        0.6,
+        0.3,
+    )
+
+
+def test_only_the_chosen_tokens_log_probability_asks_for_none_beyond_it_where_the_release_can():
+    """logprobs=0 asks 1.2.1 for no log probabilities at all: 1 is asked, and the chosen token's read from it."""
+    request = GenerationRequest([1, 2], 4, log_probs=0)
+    assert sampling_kwargs(request, CPP_SAMPLER)["logprobs"] == 1
+    assert sampling_kwargs(request, TORCH_1_4)["logprobs"] == 0
+    assert sampling_kwargs(dataclasses.replace(request, log_probs=5), TORCH_1_4)["logprobs"] == 5
+
+
+def test_penalties_a_sampler_would_ignore_are_refused_by_name():
+    check_sampler(every_control(), CPP_SAMPLER)
+    check_sampler(every_control(), TORCH_1_4)
+    check_sampler(every_control(penalties=Penalties(min_tokens=3)), TORCH_1_2)
+    for penalties, name in (
+        (Penalties(repetition=1.1), "repetition_penalty"),
+        (Penalties(presence=0.2), "presence_penalty"),
+        (Penalties(frequency=-0.2), "frequency_penalty"),
+    ):
+        with pytest.raises(InputError, match=r"1\.2\.1's TorchSampler ignores penalties") as refused:
+            check_sampler(every_control(penalties=penalties), TORCH_1_2)
+        assert refused.value.field == name
 
 
 @pytest.mark.parametrize(
@@ -247,11 +335,13 @@ def test_a_guide_is_honoured_and_a_bad_one_refused_at_submission(engine, tokeniz
         engine.submit(GenerationRequest(ids, 8, guide=Guide("regex", "(unclosed")), lambda e: None)
 
 
-def test_every_controls_params_pickle_for_the_workers(engine):
+def test_every_controls_params_pickle_for_the_workers(engine, release):
     """TensorRT-LLM pickles a request to its worker processes, its logits processor too."""
     params = pickle.loads(pickle.dumps(engine._sampling_params(every_control())))
     assert isinstance(params.logits_processor, engine.api.LogitsProcessor)
     assert params.logits_processor.bad_words == ((8,), (9, 10)) and params.guided_decoding.regex == "(yes|no)"
+    if release == "1.4":  # the distribution the token was drawn from, as the C++ sampler's are
+        assert params.logprobs_mode == engine.api.LogprobMode.PROCESSED
 
 
 def test_a_request_the_llm_fails_ends_alone_with_its_error(engine, prompt):
@@ -311,13 +401,20 @@ class ScriptedLLM:
 
 
 @pytest.fixture
-def scripted(standin):
-    from tensorrt_llm.sampling_params import GuidedDecodingParams, LogitsProcessor
-
+def scripted(standin, release):
     from tritonllm.engine.llmapi import LlmApi, LlmApiEngine
 
-    api = LlmApi("1.2.1", ScriptedLLM, standin.SamplingParams, GuidedDecodingParams, LogitsProcessor)
-    eng = LlmApiEngine({"model": "unused"}, api)
+    params = standin.sampling_params
+    api = LlmApi(
+        standin.__version__,
+        ScriptedLLM,
+        standin.SamplingParams,
+        params.GuidedDecodingParams,
+        params.LogitsProcessor,
+        getattr(params, "LogprobMode", None),
+    )
+    sampler = {"1.2.1": "TRTLLMSampler", "1.4": "TorchSampler"}[release]
+    eng = LlmApiEngine({"release": release, "sampler": sampler, "llm": {"model": "unused"}}, api)
     yield eng
     eng.shutdown()
 

@@ -29,15 +29,17 @@ def build(tmp_path: Path, manifest: dict, *options: str) -> Path:
 
 def test_the_build_writes_the_llm_arguments_beside_the_engine_model(tmp_path, manifest):
     out = build(tmp_path, manifest, "--tp", "2", "--max-batch-size", "32", "--kv-cache-free-gpu-mem-fraction", "0.7")
-    written = json.loads((out / "model_repository" / "tensorrt_llm_decoupled" / "1" / LLM_API_CONFIG_FILE).read_text())
+    settings = json.loads((out / "model_repository" / "tensorrt_llm_decoupled" / "1" / LLM_API_CONFIG_FILE).read_text())
     expected = LlmApiConfig(
         manifest["model_dir"], tensor_parallel_size=2, max_batch_size=32, free_gpu_memory_fraction=0.7, max_seq_len=4096
     ).llm_kwargs()
-    assert written == expected
+    assert settings == {"release": "1.2.1", "sampler": "TRTLLMSampler", "llm": expected}
+    written = settings["llm"]
     assert written["kv_cache_config"] == {"free_gpu_memory_fraction": 0.7, "enable_block_reuse": True, "dtype": "auto"}
     assert written["guided_decoding_backend"] == "xgrammar" and written["backend"] == "pytorch"
     recorded = json.loads((out / "manifest.json").read_text())
     assert (recorded["engine"], recorded["tp_size"], recorded["pp_size"]) == ("trtllm-llmapi", 2, 1)
+    assert recorded["llm_api_release"] == "1.2.1"
     # The portable flavor's Python-backend engine model, one instance: the LLM places its ranks on the GPUs.
     engine = read_config(out / "model_repository" / "tensorrt_llm_decoupled" / "config.pbtxt")
     assert engine.backend == "python" and [g.kind for g in engine.instance_group] == [engine.instance_group[0].KIND_CPU]
@@ -45,6 +47,14 @@ def test_the_build_writes_the_llm_arguments_beside_the_engine_model(tmp_path, ma
     # TensorRT-LLM compiles guides in its batch step: preprocessing checks each first, as for the engine flavor.
     preprocessing = read_config(out / "model_repository" / "preprocessing" / "config.pbtxt")
     assert preprocessing.parameters["guided_decoding"].string_value == "compile"
+
+
+def test_a_build_for_the_1_4_line_sends_no_sampler_and_records_its_release(tmp_path, manifest):
+    out = build(tmp_path, manifest, "--llm-api-release", "1.4")
+    settings = json.loads((out / "model_repository" / "tensorrt_llm_decoupled" / "1" / LLM_API_CONFIG_FILE).read_text())
+    assert (settings["release"], settings["sampler"]) == ("1.4", "TorchSampler")
+    assert "sampler_type" not in settings["llm"]  # 1.4 runs TorchSampler only, and refuses TRTLLMSampler
+    assert json.loads((out / "manifest.json").read_text())["llm_api_release"] == "1.4"
 
 
 def test_the_decoupled_deployment_puts_them_beside_tensorrt_llm(tmp_path, manifest):
@@ -60,6 +70,10 @@ def test_the_decoupled_deployment_puts_them_beside_tensorrt_llm(tmp_path, manife
         (["--max-num-tokens", "1000"], "--max-num-tokens 1000 is below the maximum input length 3072"),
         (["--kv-cache-free-gpu-mem-fraction", "1.5"], "must be in \\(0, 1\\]"),
         (["--dtype", "gguf"], "--dtype gguf: the LLM API flavor takes"),
+        (
+            ["--llm-api-release", "1.4", "--llm-api-sampler", "TRTLLMSampler"],
+            "--llm-api-sampler TRTLLMSampler: TensorRT-LLM 1.4 has TorchSampler only",
+        ),
     ],
 )
 def test_bad_options_are_refused_by_name(tmp_path, manifest, capsys, options, message):
@@ -87,7 +101,8 @@ def test_another_engines_option_is_refused_by_name(tmp_path, capsys, argv, messa
 
 def test_an_fp8_kv_cache_and_no_cuda_graphs_reach_the_llm_arguments(tmp_path, manifest):
     out = build(tmp_path, manifest, "--kv-cache-quant", "fp8", "--no-llm-api-cuda-graphs", "--no-kv-cache-reuse")
-    written = json.loads((out / "model_repository" / "tensorrt_llm_decoupled" / "1" / LLM_API_CONFIG_FILE).read_text())
+    settings = json.loads((out / "model_repository" / "tensorrt_llm_decoupled" / "1" / LLM_API_CONFIG_FILE).read_text())
+    written = settings["llm"]
     assert written["kv_cache_config"]["dtype"] == "fp8" and written["kv_cache_config"]["enable_block_reuse"] is False
     assert written["cuda_graph_config"] is None
 
@@ -135,6 +150,7 @@ def test_serve_checks_gpus_and_mounts_the_checkpoint(tmp_path, monkeypatch, mani
     served = load_build(out)
     assert served.world_size == 2 and Path(manifest["model_dir"]) in served.folders
     monkeypatch.delenv("NVIDIA_TRITON_SERVER_VERSION", raising=False)
+    monkeypatch.delenv(docker.IMAGE_MARKER, raising=False)
     needed = []
     monkeypatch.setattr(docker, "host_problems", lambda gpus_needed: needed.append(gpus_needed) or ["no GPU here"])
     assert serve_trtllm.main(["--build-dir", str(out)]) == 1
