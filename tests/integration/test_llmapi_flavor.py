@@ -1,7 +1,8 @@
-"""Integration: the LLM API flavor (build_engines.py --engine trtllm-llmapi) served by a real tritonserver, with
-the stand-in of TensorRT-LLM 1.2.1's LLM API (tests/standins/tensorrt_llm) in place of the real one, which needs an
-NVIDIA GPU and NVIDIA's image. The stand-in runs the built model through llama.cpp, so every answer here must equal
-the portable flavor's on the same model: what differs between the flavors is only the engine adapter.
+"""Integration: the LLM API flavor (build_engines.py --engine trtllm-llmapi) served by a real tritonserver, for each
+release it runs on, with the stand-in of that release's LLM API (tests/standins/tensorrt_llm) in place of the real
+one, which needs an NVIDIA GPU and NVIDIA's image. The stand-in runs the built model through llama.cpp, so every
+answer here must equal the portable flavor's on the same model: what differs between the flavors is only the engine
+adapter.
 
 Driven as users drive it: the example client, NVIDIA's client scripts' requests (tests/integration/reference_clients.py)
 and the official `openai` client.
@@ -18,26 +19,35 @@ from client import generate, stream
 from tests.conftest import BUILD, ROOT
 from tests.integration.reference_clients import EndToEnd, InflightBatcher, run_end_to_end, run_inflight_batcher
 from tritonllm.launch.tritonserver import OpenAIFrontend, free_port
+from tritonllm.versions import LLM_API_RELEASES
 
 pytestmark = pytest.mark.integration
 QUESTION = "What is the capital of France?"
 STANDIN = ROOT / "tests" / "standins" / "tensorrt_llm"
 
 
+@pytest.fixture(scope="module", params=list(LLM_API_RELEASES))
+def release(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llmapi_server(tmp_path_factory, manifest):
-    """A tritonserver on an LLM API build of the default model, whose `import tensorrt_llm` finds the stand-in."""
+def llmapi_server(tmp_path_factory, manifest, release):
+    """A tritonserver on an LLM API build of the default model for `release`, whose `import tensorrt_llm` finds the
+    stand-in of that release."""
     from tests.conftest import _served
     from tritonllm.repository.builder import main as build_main
 
     build = tmp_path_factory.mktemp("llmapi")
-    assert build_main(["--engine", "trtllm-llmapi", "--model", manifest["model_dir"], "--build-dir", str(build)]) == 0
+    options = ["--model", manifest["model_dir"], "--build-dir", str(build), "--llm-api-release", release]
+    assert build_main(["--engine", "trtllm-llmapi", *options]) == 0
     # The Python backend's stub puts the model's version folder on sys.path (it ignores PYTHONPATH): the stand-in
     # package goes there, beside the engine model's llm_api.json.
     (build / "model_repository" / "tensorrt_llm_decoupled" / "1" / "tensorrt_llm").symlink_to(STANDIN)
     served = _served(build, tmp_path_factory)
     with pytest.MonkeyPatch.context() as patch:  # the server's environment: tritonllm.launch.pytriton_wheel.server_env
         patch.setenv("TRITONLLM_STANDIN_ENGINE", str(BUILD / "model_repository" / "tensorrt_llm_decoupled" / "1"))
+        patch.setenv("TRITONLLM_STANDIN_RELEASE", release)
         server = next(served)  # started
     yield server
     for _ in served:  # stops it, and checks its log
@@ -49,9 +59,9 @@ def llmapi_manifest(llmapi_server) -> dict:
     return json.loads((llmapi_server.repository.parent / "manifest.json").read_text())
 
 
-def test_the_ensemble_and_the_bls_answer_as_the_portable_flavor(llmapi_server, llmapi_manifest, server):
-    assert llmapi_manifest["engine"] == "trtllm-llmapi"
-    assert "TensorRT-LLM 1.2.1 LLM API engine" in llmapi_server.log_file.read_text()
+def test_the_ensemble_and_the_bls_answer_as_the_portable_flavor(llmapi_server, llmapi_manifest, server, release):
+    assert (llmapi_manifest["engine"], llmapi_manifest["llm_api_release"]) == ("trtllm-llmapi", release)
+    assert f"TensorRT-LLM {LLM_API_RELEASES[release].trtllm} LLM API engine" in llmapi_server.log_file.read_text()
     expected = generate(QUESTION, 24, url=server.http_url)
     assert generate(QUESTION, 24, url=llmapi_server.http_url) == expected
     streamed = "".join(c.text for c in stream(QUESTION, 24, url=f"{llmapi_server.host}:{llmapi_server.grpc_port}"))
