@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import itertools
 import json
 import os
@@ -28,6 +29,7 @@ from tensorrt_llm.sampling_params import GuidedDecodingParams, SamplingParams, _
 from tensorrt_llm.surface import (
     CUDA_GRAPH_CONFIG_FIELDS,
     DEFAULT_SAMPLER,
+    GENERATE_ASYNC_PARAMETERS,
     GUIDED_DECODING_BACKENDS,
     KV_CACHE_CONFIG_FIELDS,
     LLM_ARGS,
@@ -202,20 +204,12 @@ class LLM:
         self._ids = itertools.count(1)
         self._eos = None
 
-    def generate_async(
-        self,
-        inputs,
-        sampling_params: SamplingParams | None = None,
-        lora_request=None,
-        prompt_adapter_request=None,
-        streaming: bool = False,
-        kv_cache_retention_config=None,
-        disaggregated_params=None,
-        _postproc_params=None,
-        scheduling_params=None,
-        cache_salt=None,
-    ) -> RequestOutput:
-        return self._submit(inputs, sampling_params, lora_request, streaming)
+    def generate_async(self, *args, **kwargs) -> RequestOutput:
+        """The release's signature (surface.GENERATE_ASYNC_PARAMETERS, set below): another name is a TypeError."""
+        given = inspect.signature(LLM.generate_async).bind(self, *args, **kwargs)
+        given.apply_defaults()
+        named = given.arguments
+        return self._submit(named["inputs"], named["sampling_params"], named["lora_request"], named["streaming"])
 
     def _submit(self, inputs, sampling_params, lora_request, streaming) -> RequestOutput:
         if lora_request is not None:
@@ -309,24 +303,11 @@ def _guide(params: GuidedDecodingParams) -> Guide:
     return Guide(_GUIDES[name], "" if value is True else value)
 
 
-def _generate_async_1_4(
-    self,
-    inputs,
-    sampling_params: SamplingParams | None = None,
-    lora_request=None,
-    prompt_adapter_request=None,
-    streaming: bool = False,
-    kv_cache_retention_config=None,
-    disaggregated_params=None,
-    trace_headers=None,
-    _postproc_params=None,
-    scheduling_params=None,
-    conversation_params=None,
-    cache_salt=None,
-    priority=0.5,
-) -> RequestOutput:
-    return self._submit(inputs, sampling_params, lora_request, streaming)
+def _parameter(name: str) -> inspect.Parameter:
+    """inputs is required; streaming defaults to False, priority to DEFAULT_REQUEST_PRIORITY (1.4), the rest to None."""
+    required = inspect.Parameter.empty
+    default = {"self": required, "inputs": required, "streaming": False, "priority": 0.5}.get(name)
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
 
 
-if RELEASE == "1.4":
-    LLM.generate_async = _generate_async_1_4
+LLM.generate_async.__signature__ = inspect.Signature([_parameter("self"), *map(_parameter, GENERATE_ASYNC_PARAMETERS)])
