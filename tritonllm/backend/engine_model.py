@@ -59,7 +59,7 @@ from tritonllm.engine.llmapi_config import LLM_API_CONFIG_FILE
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, InputError, ServerBusy
-from tritonllm.protocol import ERRORS_IN_BAND, HEALTH_PROBE_ID
+from tritonllm.protocol import ERRORS_IN_BAND, HEALTH_PROBE_ID, KV_EVENTS_ENV
 from tritonllm.text.model_config import flag
 from tritonllm.text.wire import Limits, scalar
 
@@ -134,6 +134,8 @@ def load_engine(
     engine_config = EngineConfig(**json.loads((folder / ENGINE_CONFIG_FILE).read_text()))
     if device != "cpu":
         engine_config = dataclasses.replace(engine_config, device=device)  # the GPU of this instance
+    if events := os.environ.get(KV_EVENTS_ENV):  # a Dynamo worker's server (tritonllm/dynamo)
+        engine_config = dataclasses.replace(engine_config, kv_events=events)
     if engine_config.impl == LLAMACPP:
         from tritonllm.engine.llamacpp import LlamaCppEngine
 

@@ -252,6 +252,7 @@ class EngineConfig:
         "step's attention scans in llama.cpp's shared cache, so they slow each step a little while they stay",
         engine_only=LLAMACPP,
     )
+    kv_events: str = ""  # a ZeroMQ endpoint for the prefix cache's KV events: the server's KV_EVENTS_ENV, at load
     attention: str = option(
         "auto",
         "attention kernel: varlen (CUDA, 16-bit types: FlashAttention over each request's own tokens) or sdpa "

@@ -46,10 +46,11 @@ from tritonllm.engine.api import (
 )
 from tritonllm.engine.checks import check_submit
 from tritonllm.engine.cpu_threads import start_yielding
+from tritonllm.engine.kv_events import PrefixBlocks, ZmqPublisher
 from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.engine.row_draw import draw_request
 from tritonllm.errors import EngineFailure, InputError, TritonLLMError
-from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR
+from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, KV_EVENT_BLOCK_TOKENS
 
 if TYPE_CHECKING:
     from tritonllm.engine.guided import Follower, Guides  # torch and transformers: at the first guided request only
@@ -203,6 +204,13 @@ class LlamaCppEngine(BlockingGenerate):
         self._reserved = 0
         self._kept: dict[int, np.ndarray] = {}  # the prefix cache: sequence id -> its tokens' ids, oldest first
         self._kept_cells = 0
+        self._blocks: PrefixBlocks | None = None  # the prefix cache as KV events, for a router
+        self._events: ZmqPublisher | None = None
+        if self._keeps and config.kv_events:
+            self._events = ZmqPublisher(config.kv_events)
+            self._blocks = PrefixBlocks(KV_EVENT_BLOCK_TOKENS, self._events)
+        elif config.kv_events:
+            log.warning("no KV events are published: the prefix cache is off (build with --prefix-cache)")
         self._work = threading.Event()
         self._stopping = threading.Event()
         self._steps = 0  # finished, for the health probe
@@ -296,6 +304,8 @@ class LlamaCppEngine(BlockingGenerate):
         if not self._loop_thread.is_alive():  # a step still running would use them
             self._llama.llama_free(self._ctx)
             self._llama.llama_model_free(self._model)
+        if self._events is not None:
+            self._events.close()
 
     # ------------------------------------------------------------------ the step loop
 
@@ -319,9 +329,11 @@ class LlamaCppEngine(BlockingGenerate):
             self._running.remove(sequence)
             self._reserved -= sequence.reserved
             if self._keeps and sequence.position:
-                cells = (sequence.request.input_ids + sequence.tokens)[: sequence.position]
-                self._kept[sequence.seq_id] = np.array(cells, np.int32)
+                cells = np.array((sequence.request.input_ids + sequence.tokens)[: sequence.position], np.int32)
+                self._kept[sequence.seq_id] = cells
                 self._kept_cells += len(cells)
+                if self._blocks is not None:
+                    self._blocks.kept(cells)
             else:
                 self._llama.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
                 self._free_ids.append(sequence.seq_id)
@@ -361,7 +373,7 @@ class LlamaCppEngine(BlockingGenerate):
                 self._llama.llama_memory_seq_cp(self._memory, source, head.seq_id, 0, reused)
                 self._kept[source] = self._kept.pop(source)  # the most recently used now
         elif prefix is not None:  # room, or an id, only without the prefix's own sequence: `head` takes it over
-            self._kept_cells -= len(self._kept.pop(source))
+            self._drop(source)
             self._llama.llama_memory_seq_rm(self._memory, source, reused, -1)
             head.seq_id = source
         else:  # not met: with no prefix, dropping every kept sequence frees ids (fewer run than there are ids)
@@ -388,8 +400,15 @@ class LlamaCppEngine(BlockingGenerate):
 
     def _forget(self, seq_id: int) -> None:
         self._llama.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-        self._kept_cells -= len(self._kept.pop(seq_id))
+        self._drop(seq_id)
         self._free_ids.append(seq_id)
+
+    def _drop(self, seq_id: int) -> None:
+        """`seq_id` is no longer a kept sequence (its cells go, or a running request takes them over)."""
+        cells = self._kept.pop(seq_id)
+        self._kept_cells -= len(cells)
+        if self._blocks is not None:
+            self._blocks.dropped(cells)
 
     def _step(self) -> None:
         batch, budget = self._batch, self.config.max_batch_tokens

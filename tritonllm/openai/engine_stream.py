@@ -12,6 +12,7 @@ awaited, as tensorrt_llm_bls does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -24,7 +25,7 @@ from tritonllm.errors import TritonLLMError
 from tritonllm.openai.errors import triton_error
 from tritonllm.openai.models import USAGE_PERF_OUTPUT, APIError
 from tritonllm.protocol import PERF_OUTPUTS, infer_inputs, stop_request_tensors
-from tritonllm.text.pipeline import Parts, StreamedRequest
+from tritonllm.text.pipeline import Delta, Parts, StreamedRequest
 
 EMPTY_FINAL = {"triton_enable_empty_final_response": True}  # so a flags-only last response reaches the client
 
@@ -39,10 +40,12 @@ class EngineStreams:
     def __init__(self, parts: Parts, engine_model: str) -> None:
         self.parts, self.engine_model = parts, engine_model
 
-    def request(self, arrays: dict[str, np.ndarray], prompt_ids: list[int] | None = None) -> StreamedRequest:
+    def request(
+        self, arrays: dict[str, np.ndarray], prompt_ids: list[int] | None = None, token_ids: bool = False
+    ) -> StreamedRequest:
         """The choice's pipeline; a client mistake is the 400 that names it, as tensorrt_llm_bls would answer."""
         try:
-            return self.parts.request(arrays, prompt_ids)
+            return self.parts.request(arrays, prompt_ids, token_ids)
         except TritonLLMError as exc:
             raise APIError(exc.kind, str(exc)) from None
 
@@ -50,6 +53,14 @@ class EngineStreams:
         self, client: grpcaio.InferenceServerClient, pipeline: StreamedRequest
     ) -> AsyncIterator[dict[str, np.ndarray]]:
         """The choice's responses as tensorrt_llm_bls's tensors: text deltas, then the final response's."""
+        async with contextlib.aclosing(self.deltas(client, pipeline)) as deltas:  # closed at once if we stop early
+            async for delta in deltas:
+                yield pipeline.delta_tensors(delta)
+        yield pipeline.final(pipeline.perf_metrics)
+
+    async def deltas(self, client: grpcaio.InferenceServerClient, pipeline: StreamedRequest) -> AsyncIterator[Delta]:
+        """The choice's deltas as the engine streams them; once they end, `pipeline.perf_metrics` holds the engine's
+        final response's perf metrics (when the request asked for them)."""
         request_id = uuid.uuid4().hex
         engine_outputs = [n for n in pipeline.engine_outputs() if n not in PERF_OUTPUTS or n == USAGE_PERF_OUTPUT]
         token_outputs = [name for name in engine_outputs if name not in PERF_OUTPUTS]
@@ -70,7 +81,6 @@ class EngineStreams:
                 yield {"model_name": self.engine_model, "inputs": inputs, "request_id": request_id}
 
         responses = client.stream_infer(requests())
-        perf: dict[str, np.ndarray] = {}
         finished = False
         try:
             async for result, error in responses:
@@ -81,7 +91,7 @@ class EngineStreams:
                     outputs = {n: a for n in token_outputs if (a := result.as_numpy(n)) is not None}
                     delta = pipeline.push(outputs)
                     if delta is not None:
-                        yield pipeline.delta_tensors(delta)
+                        yield delta
                     if pipeline.stopped:
                         stop = True
                         wake.set()
@@ -89,10 +99,9 @@ class EngineStreams:
                 if "triton_final_response" in parameters and parameters["triton_final_response"].bool_param:
                     # The engine sends its perf metrics with every response; the final one's are the request's.
                     if pipeline.perf:
-                        perf = {n: a for n in PERF_OUTPUTS if (a := result.as_numpy(n)) is not None}
+                        pipeline.perf_metrics = {n: a for n in PERF_OUTPUTS if (a := result.as_numpy(n)) is not None}
                     break
             finished = True
-            yield pipeline.final(perf)
         finally:
             wake.set()  # ends the request stream: the call completes once the server has answered
             # Ends the request in Triton if we stop early (the client went away). Not after the final

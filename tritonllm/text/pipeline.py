@@ -80,9 +80,12 @@ class Parts:
         step = preprocessor({key: value.string_value for key, value in params.items()})
         return cls(wiring, step, Detokenizer(step.tokenizer, skip_special_tokens))
 
-    def request(self, arrays: dict[str, np.ndarray], prompt_ids: list[int] | None = None) -> StreamedRequest:
-        """`prompt_ids`: the prompt's tokens when the caller has them from `preprocessor.tokenize_prompt`."""
-        return StreamedRequest(arrays, self.preprocessor, self.detokenizer, self.wiring, prompt_ids)
+    def request(
+        self, arrays: dict[str, np.ndarray], prompt_ids: list[int] | None = None, token_ids: bool = False
+    ) -> StreamedRequest:
+        """`prompt_ids`: the prompt's tokens when the caller has them from `preprocessor.tokenize_prompt`.
+        `token_ids`: every delta carries its tokens, for a caller that detokenizes them itself (Dynamo's frontend)."""
+        return StreamedRequest(arrays, self.preprocessor, self.detokenizer, self.wiring, prompt_ids, token_ids)
 
 
 @dataclass
@@ -133,7 +136,9 @@ class StreamedRequest:
         detokenizer: Detokenizer,
         wiring: Wiring,
         prompt_ids: list[int] | None = None,
+        token_ids: bool = False,
     ) -> None:
+        self.token_ids = token_ids
         self.streaming = bool(scalar(arrays, "stream", 0))
         if (scalar(arrays, "beam_width", 0) or 1) != 1:
             raise InputError("beam_width", "tensorrt_llm_bls answers one beam: call ensemble for beam search")
@@ -154,6 +159,7 @@ class StreamedRequest:
         self.perf = bool(scalar(self._tensors, "return_perf_metrics", 0))
         self._whole = Delta()  # the deltas, when not streaming
         self._cum_log_prob = 0.0
+        self.perf_metrics: dict[str, np.ndarray] = {}  # the engine's final response's, set by the carrier
 
     def _preprocess(
         self, arrays: dict[str, np.ndarray], preprocessor: Preprocessor, prompt_ids: list[int] | None
@@ -205,8 +211,9 @@ class StreamedRequest:
         length = int(_output(outputs, "sequence_length").reshape(-1)[0])
         ids = ids_array.reshape(-1)[:length].tolist()
         delta = Delta(self.stream.push(ids))
-        if self.log_probs >= 0:
+        if self.log_probs >= 0 or self.token_ids:
             delta.ids = ids
+        if self.log_probs >= 0:
             # TensorRT-LLM's streamed log probs are all those so far (its LLM API slices them the same way); the
             # portable engine's are the response's own: the last `length` are this response's either way.
             so_far = _output(outputs, "output_log_probs").reshape(-1)

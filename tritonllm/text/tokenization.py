@@ -167,13 +167,18 @@ class Preprocessor:
     ) -> list[dict[str, np.ndarray] | InputError]:
         """One result per request: its output tensors, or the InputError that rejects it. `known_ids[i]`, when
         given: request i's prompt as `tokenize_prompt` made it already (a one-row request without the chat
-        template), so it is not tokenized twice."""
+        template), so it is not tokenized twice; or, for a request without `text_input`, its prompt in tokens."""
         # Prompts of all requests, split by whether the chat template (which writes its own
         # special tokens) was applied; each group is tokenized in one call.
         groups: dict[bool, tuple[list[tuple[int, int]], list[str]]] = {False: ([], []), True: ([], [])}
         results: list[dict[str, np.ndarray] | InputError] = []
         per_request: dict[int, dict[int, list[int]]] = {}
         for index, arrays in enumerate(requests):
+            known = known_ids[index] if index < len(known_ids) else None
+            if known is not None and "QUERY" not in arrays:  # a request in tokens (a Dynamo worker's): no text
+                results.append({})
+                per_request[index] = {0: known}
+                continue
             try:
                 batch = arrays["QUERY"].shape[0] if "QUERY" in arrays else 1
                 prompts = [self._prompt(arrays, row) for row in range(batch)]
@@ -181,7 +186,6 @@ class Preprocessor:
                 results.append(exc)
                 continue
             results.append({})
-            known = known_ids[index] if index < len(known_ids) else None
             if known is not None and len(prompts) == 1 and not prompts[0][1]:
                 per_request[index] = {0: known}
                 continue
