@@ -97,6 +97,11 @@ test: build $(VENV)/.dynamo
 		&& ln -s ../models $(BUILD_DIR)/decoupled/models; }
 	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR)/decoupled $(if $(MODEL),--model "$(MODEL)") \
 		$(TRTLLM_ARGS) $(BUILD_ARGS) --decoupled-mode
+	@# The Dynamo fleet test's workers serve the same model files with the prefix cache on (its KV events).
+	@test -L $(BUILD_DIR)/fleet/models || { rm -rf $(BUILD_DIR)/fleet/models && mkdir -p $(BUILD_DIR)/fleet \
+		&& ln -s ../models $(BUILD_DIR)/fleet/models; }
+	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR)/fleet $(if $(MODEL),--model "$(MODEL)") \
+		$(TRTLLM_ARGS) $(BUILD_ARGS) --prefix-cache
 	TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q --durations=15
 
 unit: build

@@ -7,6 +7,8 @@ benchmarks/ and not in the package, declare themselves as entry points of the `t
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
@@ -38,15 +40,15 @@ def _openai(argv: list[str]) -> int:
     return app.main(argv)
 
 
-def _dynamo_worker(argv: list[str]) -> int:
-    try:
-        from tritonllm.dynamo import worker
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not exc.name.startswith("dynamo"):
-            raise
-        print("tritonllm dynamo-worker: NVIDIA Dynamo is not installed: run `make dynamo`", file=sys.stderr)
-        return 2
-    return worker.main(argv)
+def _dynamo(command: str) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        if importlib.util.find_spec("dynamo") is None:
+            print(f"tritonllm {command}: NVIDIA Dynamo is not installed: run `make dynamo`", file=sys.stderr)
+            return 2
+        module = importlib.import_module(f"tritonllm.dynamo.{command.removeprefix('dynamo-')}")
+        return module.main(argv)
+
+    return run
 
 
 def _container(argv: list[str]) -> int:
@@ -72,7 +74,8 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "serve": (_serve, "serve the portable flavor: tritonserver and the OpenAI layer"),
     "serve-trtllm": (_serve_trtllm, "serve the TensorRT-LLM flavor in NVIDIA's image"),
     "openai": (_openai, "the OpenAI-compatible layer alone, in front of a running server"),
-    "dynamo-worker": (_dynamo_worker, "this server as a worker of NVIDIA Dynamo (its frontend, KV router)"),
+    "dynamo-worker": (_dynamo("dynamo-worker"), "this server as a worker of NVIDIA Dynamo (its frontend, KV router)"),
+    "dynamo-fleet": (_dynamo("dynamo-fleet"), "Dynamo's frontend and several workers on this machine"),
     "container": (_container, "the image's entrypoint: build-once, launch, probe"),
     "probe": (_probe, "exit 0 when the engine answers (a liveness probe)"),
     "preflight": (_preflight, "check this host before installing"),

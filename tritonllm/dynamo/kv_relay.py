@@ -61,6 +61,7 @@ class KvRelay:
         else:
             raise ValueError(f"unknown KV event type {event['type']!r}")
         self.relayed += 1
+        log.info("relayed KV event %d: %s of %d blocks", self.relayed, event["type"], len(event["block_hashes"]))
 
     def stop(self) -> None:
         self._stop.set()
