@@ -356,3 +356,62 @@ engine.shutdown()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"], done.stdout
+
+
+def test_prefix_cache_publishes_its_kept_blocks_and_their_removal(manifest, tokenizer, tmp_path):
+    """With a KV-events endpoint, what the cache keeps is announced as stored blocks (the kept cells' full blocks) and
+    what gives way as removed ones, so that a router (Dynamo's) knows what this engine holds."""
+    import zmq
+
+    from tritonllm.engine.kv_events import block_hashes
+    from tritonllm.protocol import KV_EVENT_BLOCK_TOKENS
+
+    endpoint = f"ipc://{tmp_path}/events"
+    eng = make_engine(
+        manifest,
+        LLAMACPP,
+        max_batch_size=4,
+        max_seq_len=128,
+        kv_cache_tokens=256,
+        prefix_cache=True,
+        kv_events=endpoint,
+    )
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(endpoint)
+    time.sleep(0.3)  # the subscription reaches the publisher (ZeroMQ drops what a PUB sends before)
+
+    def events() -> list[dict]:
+        got = []
+        while subscriber.poll(300):
+            got.append(subscriber.recv_json())
+        return got
+
+    try:
+        prompt = chat_ids(tokenizer, "Tell me about the rivers of France. " * 4)
+        final = final_emission(eng, GenerationRequest(prompt, 8))
+        (stored,) = events()
+        kept = np.array((prompt + final.token_ids)[: len(prompt) + len(final.token_ids) - 1], np.int32)
+        assert stored["type"] == "stored" and stored["parent_hash"] is None
+        assert stored["block_hashes"] == block_hashes(kept, KV_EVENT_BLOCK_TOKENS)
+        assert stored["token_ids"] == kept[: len(stored["block_hashes"]) * KV_EVENT_BLOCK_TOKENS].tolist()
+        # Other prompts fill the ids and the room, and kept cells give way: replayed, the events hold what the cache
+        # holds, block for block.
+        announced = set(stored["block_hashes"])
+        for n in range(10):
+            final_emission(eng, GenerationRequest(chat_ids(tokenizer, f"Count from {n} to {n + 5}, slowly."), 32))
+            time.sleep(0.05)
+        later = events()
+        assert {e["type"] for e in later} == {"stored", "removed"}
+        for event in later:
+            if event["type"] == "stored":
+                assert not announced & set(event["block_hashes"]), "a block was stored twice"
+                announced |= set(event["block_hashes"])
+            else:
+                assert set(event["block_hashes"]) <= announced, "a block was removed that was never stored"
+                announced -= set(event["block_hashes"])
+        held = {h for cells in eng._kept.values() for h in block_hashes(cells, KV_EVENT_BLOCK_TOKENS)}
+        assert announced == held
+    finally:
+        subscriber.close()
+        eng.shutdown()
