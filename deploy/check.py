@@ -79,6 +79,52 @@ def check_deployment(name: str, doc: dict, gpus: int) -> None:
         raise DeployCheckError(f"{name}: no preStop hook: pods would stop before leaving the Service")
 
 
+def check_dynamo_worker(name: str, doc: dict, settings: dict) -> None:
+    """With dynamo.enabled, the pod's worker serves this pod's server, on the build, in the frontend's namespace."""
+    containers = {c["name"]: c for c in doc["spec"]["template"]["spec"]["containers"]}
+    if not settings["dynamo"]["enabled"]:
+        if "dynamo-worker" in containers:
+            raise DeployCheckError(f"{name}: a dynamo-worker container without dynamo.enabled")
+        return
+    from tritonllm.dynamo.worker import parser
+
+    worker = containers.get("dynamo-worker")
+    if worker is None:
+        raise DeployCheckError(f"{name}: dynamo.enabled, but the pod has no dynamo-worker container")
+    try:
+        args = parser().parse_args(worker["command"][3:])
+    except SystemExit:
+        raise DeployCheckError(f"{name}: tritonllm dynamo-worker refuses {worker['command'][3:]}") from None
+    if args.grpc_url != f"127.0.0.1:{settings['ports']['grpc']}":
+        raise DeployCheckError(f"{name}: the worker's --grpc-url {args.grpc_url} is not this pod's server")
+    build = f"{settings['storage']['mountPath']}/build"
+    if args.build_dir != build or args.namespace != settings["dynamo"]["namespace"]:
+        raise DeployCheckError(f"{name}: the worker serves another build or Dynamo namespace")
+
+
+def check_dynamo_frontend(name: str, doc: dict, settings: dict) -> None:
+    """Dynamo's frontend takes its arguments, routes in the workers' namespace, and finds them through etcd."""
+    (frontend,) = doc["spec"]["template"]["spec"]["containers"]
+    command = frontend["command"]
+    known = subprocess.run([sys.executable, *command[1:3], "--help"], capture_output=True, text=True).stdout
+    for flag in (a for a in command[3:] if a.startswith("--")):
+        if flag not in known:
+            raise DeployCheckError(f"{name}: Dynamo's frontend has no flag {flag}")
+    if command[command.index("--namespace") + 1] != settings["dynamo"]["namespace"]:
+        raise DeployCheckError(f"{name}: the frontend routes in another Dynamo namespace than the workers'")
+
+
+def check_selectors(name: str, docs: list[dict]) -> None:
+    """Each Service sends to the pods of one Deployment: the servers' and Dynamo's frontend's never mix."""
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in deployments}
+    for service in (d for d in docs if d["kind"] == "Service"):
+        selector = service["spec"]["selector"].items()
+        chosen = [deployment for deployment, labels in pods.items() if selector <= labels.items()]
+        if len(chosen) != 1:
+            raise DeployCheckError(f"{name}: Service {service['metadata']['name']} selects the pods of {chosen}")
+
+
 def chart_values(values: Path | None) -> dict:
     """The values a render gets: values.yaml with the file's top-level sections merged over its own."""
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -187,9 +233,13 @@ def main(argv: list[str] | None = None) -> int:
             check_image(name, values)
             kinds = check_rendered(name, docs)
             for doc in docs:
-                if doc["kind"] == "Deployment":
+                if doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith("-dynamo-frontend"):
+                    check_dynamo_frontend(name, doc, chart_values(values))
+                elif doc["kind"] == "Deployment":
                     check_deployment(name, doc, expected_gpus(values))
                     check_build_args(name, doc, values)
+                    check_dynamo_worker(name, doc, chart_values(values))
+            check_selectors(name, docs)
             print(
                 f"{name}: helm lint ok; {len(kinds)} manifests valid for Kubernetes {KUBERNETES_VERSION}: "
                 f"{', '.join(kinds)}"

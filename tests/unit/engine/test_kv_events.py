@@ -30,7 +30,13 @@ def test_a_block_several_kept_sequences_hold_is_stored_once_and_removed_with_the
     cache.kept(second)
     h_first, h_second = block_hashes(first, 4), block_hashes(second, 4)
     assert events == [
-        {"type": "stored", "token_ids": list(range(8)), "block_hashes": h_first, "parent_hash": None, "block_tokens": 4},
+        {
+            "type": "stored",
+            "token_ids": list(range(8)),
+            "block_hashes": h_first,
+            "parent_hash": None,
+            "block_tokens": 4,
+        },
         {
             "type": "stored",
             "token_ids": [9, 9, 9, 9],

@@ -13,6 +13,12 @@ app.kubernetes.io/name: tritonllm
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* Dynamo's frontend (dynamo.enabled): pods of their own, which the servers' Service never selects. */}}
+{{- define "tritonllm.frontendSelector" -}}
+app.kubernetes.io/name: tritonllm-dynamo-frontend
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
 {{- define "tritonllm.claim" -}}{{ .Values.storage.existingClaim | default (printf "%s-models" (include "tritonllm.name" .)) }}{{- end -}}
 
 {{/* The TensorRT-LLM flavors: engines (trtllm) and the LLM API (trtllm-llmapi), both in NVIDIA's image. */}}
