@@ -7,7 +7,7 @@ from tritonllm import cli
 
 def test_the_benchmarks_are_found_through_their_entry_points_and_load():
     plugins = cli.plugins()
-    assert set(plugins) == {"perf", "bench", "bench-pipeline", "bench-peers"}
+    assert set(plugins) == {"perf", "bench", "bench-pipeline", "bench-peers", "bench-fleet"}
     for name, plugin in plugins.items():
         run = plugin.load()
         assert plugin.module.startswith("benchmarks.") and callable(run), name
