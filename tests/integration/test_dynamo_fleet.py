@@ -86,6 +86,23 @@ def test_a_control_the_server_cannot_honour_is_refused_by_name(fleet, fleet_api)
         )
 
 
+def test_a_stream_the_client_drops_is_cancelled_in_the_engine(fleet, fleet_api):
+    """The frontend drops the request; the worker's stream to its server closes, and the engine ends the request."""
+    (worker,) = fleet.workers
+    cancelled = metric_value(worker.metrics(), "tritonllm_requests_finished_total", finish_reason="cancelled")
+    chunks = fleet_api.completions.create(
+        model=fleet.model, prompt="Tell a long story.", max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+    )
+    for _, _ in zip(range(3), chunks, strict=False):
+        pass
+    chunks.close()
+    deadline = time.monotonic() + 20
+    while metric_value(worker.metrics(), "tritonllm_requests_finished_total", finish_reason="cancelled") == cancelled:
+        assert time.monotonic() < deadline, "the engine still generates for a stream its client dropped"
+        time.sleep(0.2)
+    assert not metric_value(worker.metrics(), "tritonllm_engine_requests_in_flight")
+
+
 def test_a_worker_that_joins_later_receives_traffic(fleet, fleet_api):
     first = fleet.workers[0]
     late = fleet.add_worker()
@@ -130,21 +147,21 @@ def test_killing_a_worker_mid_load_loses_no_request(fleet, fleet_api):
 
     def stream(i: int) -> str | None:
         chunks = fleet_api.completions.create(
-            model=fleet.model, prompt=f"Write a long story about ship {i}:", max_tokens=48, stream=True, temperature=0
+            model=fleet.model, prompt=f"Write a long story about ship {i}:", max_tokens=32, stream=True, temperature=0
         )
         reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
         return reasons[-1] if reasons else None
 
     victim = fleet.workers[0]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        streams = [pool.submit(stream, i) for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(stream, i) for i in range(6)]
         deadline = time.monotonic() + 60  # until the victim generates for some of them
         while not metric_value(victim.metrics(), "tritonllm_engine_requests_in_flight"):
             assert time.monotonic() < deadline, "the victim never had a request in flight"
             time.sleep(0.1)
         victim.kill()
         reasons = [s.result(timeout=300) for s in streams]
-    assert reasons == ["length"] * 8
+    assert reasons == ["length"] * 6
     survivor = fleet.workers[1]
     answer = fleet_api.completions.create(model=fleet.model, prompt="After the fault,", max_tokens=4)
     assert answer.choices[0].finish_reason in ("stop", "length")

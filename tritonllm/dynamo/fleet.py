@@ -132,6 +132,19 @@ class Fleet:
         started = [self.add_worker(wait=False) for _ in range(workers)]
         for worker in started:
             worker.wait_for("Serving ", timeout)
+        deadline = time.monotonic() + 60
+        while not self.listed():  # the frontend learns of the model from the store a moment later
+            if time.monotonic() > deadline:
+                raise ServerError(f"the frontend does not list {self.model} (see {self.frontend.log})")
+            time.sleep(0.3)
+
+    def listed(self) -> bool:
+        """Whether the frontend serves the workers' model."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as response:
+                return any(m["id"] == self.model for m in json.loads(response.read())["data"])
+        except OSError:
+            return False
 
     def add_worker(self, wait: bool = True, timeout: float = 600.0) -> Worker:
         """One more worker (it joins the running fleet); `wait`: until it serves."""

@@ -42,7 +42,7 @@ from tritonllm.openai.logprobs import TokenTexts
 from tritonllm.openai.models import APIError
 from tritonllm.openai.settings import Settings
 from tritonllm.protocol import KV_EVENT_BLOCK_TOKENS, KV_EVENTS_ENV
-from tritonllm.text.pipeline import Parts, streaming_parameters
+from tritonllm.text.pipeline import Parts, StreamedRequest, streaming_parameters
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class TritonWorkerEngine(LLMEngine):
         self.vocab_size = len(self.streams.parts.preprocessor.tokenizer)
         self.relay = KvRelay(self.kv_events, KV_EVENT_BLOCK_TOKENS) if self.kv_events else None
         self.client: grpcaio.InferenceServerClient | None = None
+        self._streaming: dict[str, StreamedRequest] = {}  # by Dynamo's request id, for abort
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[TritonWorkerEngine, WorkerConfig]:
@@ -138,12 +139,27 @@ class TritonWorkerEngine(LLMEngine):
             )
             arrays = engine_arrays(body, self.vocab_size, settings.engine_additions)
             pipeline = self.streams.request(arrays, prompt_ids=tokens, token_ids=True)
-            async with contextlib.aclosing(self.streams.deltas(self.client, pipeline)) as deltas:
-                async for delta in deltas:
-                    yield chunk(delta, self.token_text)
+            self._streaming[context.id()] = pipeline
+            try:
+                async with contextlib.aclosing(self.streams.deltas(self.client, pipeline)) as deltas:
+                    async for delta in deltas:
+                        yield chunk(delta, self.token_text)
+            except (APIError, asyncio.CancelledError):
+                if not (context.is_stopped() or context.is_killed()):
+                    raise
+                return  # abort() cancelled the stream: Dynamo dropped the request, and nobody reads on
             yield final_chunk(pipeline.final(pipeline.perf_metrics), settings.kv_cache_block_tokens)
         except APIError as exc:
             raise dynamo_error(exc) from None
+        finally:
+            self._streaming.pop(context.id(), None)
+
+    async def abort(self, context: Context) -> None:
+        """Dynamo dropped the request (its client went away, a stop string, a hidden stop token): Dynamo stops reading
+        this generator, so its stream to the engine model is cancelled here, which ends the request in the engine."""
+        pipeline = self._streaming.pop(context.id(), None)
+        if pipeline is not None and pipeline.abort is not None:
+            pipeline.abort()
 
     async def kv_event_sources(self) -> list[KvEventSource]:
         return [PushSource(on_ready=self.relay.start)] if self.relay is not None else []

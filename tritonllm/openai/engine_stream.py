@@ -82,6 +82,13 @@ class EngineStreams:
 
         responses = client.stream_infer(requests())
         finished = False
+
+        def abort() -> None:  # for a caller that learns of a cancellation outside this loop (Dynamo's worker)
+            pipeline.abort = None
+            if not finished:
+                responses.cancel()
+
+        pipeline.abort = abort
         try:
             async for result, error in responses:
                 if error is not None:
@@ -106,5 +113,6 @@ class EngineStreams:
             wake.set()  # ends the request stream: the call completes once the server has answered
             # Ends the request in Triton if we stop early (the client went away). Not after the final
             # response: a cancellation arriving then leaves tritonserver 2.51 unable to unload the model.
+            pipeline.abort = None
             if not finished:
                 responses.cancel()

@@ -10,7 +10,7 @@ and sends the deltas and `final()`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,6 +160,7 @@ class StreamedRequest:
         self._whole = Delta()  # the deltas, when not streaming
         self._cum_log_prob = 0.0
         self.perf_metrics: dict[str, np.ndarray] = {}  # the engine's final response's, set by the carrier
+        self.abort: Callable[[], None] | None = None  # while the carrier streams: ends the engine's work at once
 
     def _preprocess(
         self, arrays: dict[str, np.ndarray], preprocessor: Preprocessor, prompt_ids: list[int] | None
