@@ -97,6 +97,7 @@ class GenerationRequest:
     # distribution (log_softmax of its logits, before penalties, bias, temperature or a grammar), as vLLM's default.
     log_probs: int = -1
     guide: Guide | None = None
+    adapter: str = ""  # the LoRA adapter's name (tritonllm/engine/adapters.py); "" for the base model
 
     @property
     def uses_controls(self) -> bool:
@@ -252,6 +253,8 @@ class EngineConfig:
         "step's attention scans in llama.cpp's shared cache, so they slow each step a little while they stay",
         engine_only=LLAMACPP,
     )
+    # The LoRA adapters (adapters.Adapter.as_json), converted at build time from --lora NAME=PATH.
+    lora_adapters: list[dict] = dataclasses.field(default_factory=list)
     attention: str = option(
         "auto",
         "attention kernel: varlen (CUDA, 16-bit types: FlashAttention over each request's own tokens) or sdpa "
@@ -299,6 +302,11 @@ class EngineConfig:
                     f"{flag_of(field)}: an option of --engine-impl {only}; this build runs {impl} "
                     f"(--engine-impl {only} to use it)"
                 )
+        if self.lora_adapters and impl != LLAMACPP:
+            raise ConfigError(
+                "--lora: LoRA adapters are served by the llama.cpp engine (--engine-impl llamacpp, a GGUF model); "
+                f"this build runs {impl}"
+            )
         if self.dtype == GGUF_AS_IS and impl != LLAMACPP:
             raise ConfigError(
                 f"--dtype {GGUF_AS_IS} is for the llama.cpp engine (--engine-impl llamacpp, a GGUF model)"

@@ -13,6 +13,12 @@ of its row; for a request whose only controls are a logit bias and sampling, its
 (tritonllm/engine/row_controls.py). Streaming, stop words, end id,
 cancellation and finish reasons are the portable engine's (tritonllm/engine/portable.py).
 
+LoRA adapters (GGUF files the build converted, tritonllm/engine/lora_gguf.py) are loaded once. llama.cpp applies
+adapters to a whole context, not to a sequence, so a step is one `llama_decode` per adapter its requests use, the
+base model's included, each with that adapter set: requests of different adapters generate together, a decode
+each (docs/lora.md measures what that costs). Kept cells are shared only with a prompt of the same adapter: they
+were computed with it.
+
 `llama_decode` runs without the interpreter lock (ctypes releases it), so the engine model's sender thread sends
 responses while a step computes.
 """
@@ -34,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tritonllm.engine.adapters import BASE, Adapter, AdapterTable
 from tritonllm.engine.api import (
     LLAMA_MAX_SEQUENCES,
     BlockingGenerate,
@@ -68,6 +75,7 @@ class _Sequence(Lifecycle):
     reserved: int  # KV cache cells held for it: its prompt and its new tokens
     position: int = 0  # tokens in the KV cache
     seq_id: int = -1  # llama.cpp's sequence id, once in the batch
+    adapter: str = BASE  # the LoRA adapter its tokens are computed with
     follower: Follower | None = None  # its grammar matcher, for a guided request
 
 
@@ -202,11 +210,17 @@ class LlamaCppEngine(BlockingGenerate):
         self._free_ids = list(range(sequences - 1, -1, -1))
         self._reserved = 0
         self._kept: dict[int, np.ndarray] = {}  # the prefix cache: sequence id -> its tokens' ids, oldest first
+        self._kept_adapter: dict[int, str] = {}  # the adapter each kept sequence's cells were computed with
         self._kept_cells = 0
         self._work = threading.Event()
         self._stopping = threading.Event()
         self._steps = 0  # finished, for the health probe
         self._stopped: str | None = None  # why the engine takes no more requests (_fail_all)
+        self.adapters = AdapterTable()  # those requests may name; an unloaded one stays in _loras while it runs
+        self._loras: dict[str, object] = {}  # name -> llama_adapter_lora pointer
+        self._active = BASE  # the adapter set on the context
+        for adapter in config.lora_adapters:
+            self.load_adapter(Adapter(**adapter))
         self._loop_thread = threading.Thread(target=self._loop, name="llamacpp-engine", daemon=True)
         # The step thread and llama.cpp's CPU threads, which it starts, yield the cores to the stream's other steps.
         start_yielding(self._loop_thread.start, config.cpu_niceness)
@@ -231,15 +245,21 @@ class LlamaCppEngine(BlockingGenerate):
             )
         if reserved > self.cache_tokens:
             raise EngineFailure(f"a request of {reserved} tokens does not fit the KV cache of {self.cache_tokens}")
+        self._check_adapter(request.adapter)
         controls = self._controls(request, request_id)
         sequence = _Sequence(request_id, controls, list(request.input_ids), reserved, request=request, emit=emit)
+        sequence.adapter = request.adapter
         if request.guide is not None:
             sequence.follower = self._guides.follower(request_id)
         with self._lock:  # under the lock _fail_all holds: a request is refused here or finished there, never lost
-            if self._stopped is not None:
+            try:
+                if self._stopped is not None:
+                    raise EngineFailure(f"{self._stopped} (see the server log)")
+                self._check_adapter(request.adapter)  # again: an unloaded adapter is freed under this lock
+            except TritonLLMError:
                 if request.guide is not None:  # its matcher, started in _controls, follows nothing
                     self._guides.release(request_id)
-                raise EngineFailure(f"{self._stopped} (see the server log)")
+                raise
             self._sequences[request_id] = sequence
             self._waiting.append(sequence)
         self._work.set()
@@ -297,12 +317,62 @@ class LlamaCppEngine(BlockingGenerate):
             self._llama.llama_free(self._ctx)
             self._llama.llama_model_free(self._model)
 
+    # ------------------------------------------------------------------ adapters
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Loads a GGUF LoRA for requests to name; InputError when its name or task id is taken."""
+        with self._lock:
+            self.adapters.add(adapter)  # refuses a name or task id in use, before loading anything
+        pointer = self._llama.llama_adapter_lora_init(self._model, adapter.path.encode())
+        with self._lock:
+            if not pointer:
+                self.adapters.remove(adapter.name)
+                raise InputError("lora_path", f"llama.cpp could not load {adapter.path} for this model")
+            self._loras[adapter.name] = pointer
+
+    def unload_adapter(self, name: str) -> Adapter:
+        """Takes an adapter away from new requests; its weights are freed once no request in the engine uses it,
+        so the requests already submitted finish with it."""
+        with self._lock:
+            adapter = self.adapters.remove(name)
+        self._work.set()
+        return adapter
+
+    def _check_adapter(self, name: str) -> None:
+        if name != BASE and name not in self.adapters.by_name:
+            raise InputError("lora_name", f"no adapter named `{name}` is loaded")
+
+    def _free_unused_adapters(self) -> None:
+        with self._lock:
+            used = {s.adapter for s in self._sequences.values()} | {s.adapter for s in self._running}
+            for name in [n for n in self._loras if n not in self.adapters.by_name and n not in used]:
+                if self._active == name:
+                    self._use_adapter(BASE)
+                for seq_id in [k for k, a in self._kept_adapter.items() if a == name]:
+                    self._forget(seq_id)
+                self._llama.llama_adapter_lora_free(self._loras.pop(name))
+
+    def _use_adapter(self, name: str) -> None:
+        if name == self._active:
+            return
+        llama = self._llama
+        if name == BASE:
+            code = llama.llama_set_adapters_lora(self._ctx, None, 0, None)
+        else:
+            adapters = (llama.llama_adapter_lora_p_ctypes * 1)(self._loras[name])
+            code = llama.llama_set_adapters_lora(self._ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
+        if code != 0:
+            raise EngineFailure(f"llama_set_adapters_lora returned {code} for adapter `{name or 'base'}`")
+        self._active = name
+
     # ------------------------------------------------------------------ the step loop
 
     def _loop(self) -> None:
         try:
             while not self._stopping.is_set():
                 self._admit()
+                if len(self._loras) > len(self.adapters.by_name):  # one was unloaded: freed once unused
+                    self._free_unused_adapters()
                 if not self._running:
                     self._work.wait(0.1)
                     self._work.clear()
@@ -321,6 +391,7 @@ class LlamaCppEngine(BlockingGenerate):
             if self._keeps and sequence.position:
                 cells = (sequence.request.input_ids + sequence.tokens)[: sequence.position]
                 self._kept[sequence.seq_id] = np.array(cells, np.int32)
+                self._kept_adapter[sequence.seq_id] = sequence.adapter
                 self._kept_cells += len(cells)
             else:
                 self._llama.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
@@ -344,7 +415,7 @@ class LlamaCppEngine(BlockingGenerate):
         room = self.cache_tokens - self._reserved - head.reserved  # what kept cells may hold once it runs
         if room < 0:
             return False  # running requests hold the room: it waits, and no kept cells go for nothing
-        source, reused = self._longest_prefix(head.pending)
+        source, reused = self._longest_prefix(head.pending, head.adapter)
         prefix = self._kept[source] if source is not None else None
 
         def shares() -> bool:
@@ -362,6 +433,7 @@ class LlamaCppEngine(BlockingGenerate):
                 self._kept[source] = self._kept.pop(source)  # the most recently used now
         elif prefix is not None:  # room, or an id, only without the prefix's own sequence: `head` takes it over
             self._kept_cells -= len(self._kept.pop(source))
+            del self._kept_adapter[source]
             self._llama.llama_memory_seq_rm(self._memory, source, reused, -1)
             head.seq_id = source
         else:  # not met: with no prefix, dropping every kept sequence frees ids (fewer run than there are ids)
@@ -371,14 +443,16 @@ class LlamaCppEngine(BlockingGenerate):
         self._reserved += head.reserved
         return True
 
-    def _longest_prefix(self, prompt: list[int]) -> tuple[int | None, int]:
-        """The kept sequence that begins with the most of `prompt`'s tokens, and how many it can give: all but the
-        prompt's last, which is computed for its logits. (None, 0) when none begins with its first token."""
+    def _longest_prefix(self, prompt: list[int], adapter: str) -> tuple[int | None, int]:
+        """The kept sequence of `adapter` that begins with the most of `prompt`'s tokens, and how many it can give:
+        all but the prompt's last, which is computed for its logits. (None, 0) when none begins with its first token."""
         best, length = None, 0
         if not self._kept:  # the cache is off, or empty: no array of the prompt for nothing
             return best, length
         tokens = np.array(prompt[:-1], np.int32)
         for seq_id, cells in self._kept.items():
+            if self._kept_adapter[seq_id] != adapter:
+                continue
             n = min(len(cells), len(tokens))
             differ = np.flatnonzero(cells[:n] != tokens[:n])
             common = int(differ[0]) if differ.size else n
@@ -389,26 +463,36 @@ class LlamaCppEngine(BlockingGenerate):
     def _forget(self, seq_id: int) -> None:
         self._llama.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
         self._kept_cells -= len(self._kept.pop(seq_id))
+        del self._kept_adapter[seq_id]
         self._free_ids.append(seq_id)
 
     def _step(self) -> None:
-        batch, budget = self._batch, self.config.max_batch_tokens
+        """Generating requests first, a token each; prompts take what is left of the step's budget. One decode per
+        adapter in use."""
+        budget = self.config.max_batch_tokens
+        groups: dict[str, list[tuple[_Sequence, list[int]]]] = {}
+        for sequence in sorted(self._running, key=lambda s: len(s.pending) > 1):
+            if sequence.done or not budget:
+                continue
+            chunk = sequence.pending[:budget]
+            budget -= len(chunk)
+            groups.setdefault(sequence.adapter, []).append((sequence, chunk))
+        for adapter, chunks in groups.items():
+            self._decode(adapter, chunks)
+
+    def _decode(self, adapter: str, chunks: list[tuple[_Sequence, list[int]]]) -> None:
+        """One llama_decode of the chunks of requests of one adapter, and their next tokens."""
+        batch = self._batch
         batch.size = 0
         outputs: list[_Sequence] = []
-        # Generating requests first, a token each; prompts take what is left of the step's budget.
-        for sequence in sorted(self._running, key=lambda s: len(s.pending) > 1):
-            room = budget - batch.size
-            if sequence.done or not room:
-                continue
-            chunk = sequence.pending[:room]
+        for sequence, chunk in chunks:
             last = len(chunk) == len(sequence.pending)
             batch.add(sequence.seq_id, chunk, sequence.position, last)
             sequence.position += len(chunk)
             del sequence.pending[: len(chunk)]
             if last:
                 outputs.append(sequence)
-        if not batch.size:
-            return
+        self._use_adapter(adapter)
         code = self._llama.llama_decode(self._ctx, batch.struct)
         if code != 0:
             raise EngineFailure(f"llama_decode returned {code} for a step of {batch.size} tokens")
