@@ -195,7 +195,7 @@ class EngineModel:
                 if scalar(arrays, "stop", 0):
                     self._stop(request.request_id(), sender)
                     continue
-                generations = parse_requests(arrays, self.limits)
+                generations = parse_requests(arrays, self.limits, self.engine.adapters)
                 self._admit(len(generations))
                 pad = arrays.get("pad_id")
                 counts = (

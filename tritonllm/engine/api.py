@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tritonllm.engine.adapters import AdapterTable
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
 from tritonllm.errors import ConfigError, EngineFailure, ErrorKind, InputError, TritonLLMError, error_of_kind
 from tritonllm.options import flag_of, option
@@ -302,11 +303,6 @@ class EngineConfig:
                     f"{flag_of(field)}: an option of --engine-impl {only}; this build runs {impl} "
                     f"(--engine-impl {only} to use it)"
                 )
-        if self.lora_adapters and impl != LLAMACPP:
-            raise ConfigError(
-                "--lora: LoRA adapters are served by the llama.cpp engine (--engine-impl llamacpp, a GGUF model); "
-                f"this build runs {impl}"
-            )
         if self.dtype == GGUF_AS_IS and impl != LLAMACPP:
             raise ConfigError(
                 f"--dtype {GGUF_AS_IS} is for the llama.cpp engine (--engine-impl llamacpp, a GGUF model)"
@@ -349,6 +345,11 @@ class BlockingGenerate:
     """`generate` for an engine with `submit` (in this process, or in one of its own: tritonllm/engine/process.py)."""
 
     submit_rules = SubmitRules()
+
+    @property
+    def adapters(self) -> AdapterTable:
+        """The LoRA adapters requests may name: none but the llama.cpp engine's."""
+        return AdapterTable()
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         raise NotImplementedError

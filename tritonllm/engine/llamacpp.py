@@ -216,7 +216,7 @@ class LlamaCppEngine(BlockingGenerate):
         self._stopping = threading.Event()
         self._steps = 0  # finished, for the health probe
         self._stopped: str | None = None  # why the engine takes no more requests (_fail_all)
-        self.adapters = AdapterTable()  # those requests may name; an unloaded one stays in _loras while it runs
+        self._adapters = AdapterTable()  # those requests may name; an unloaded one stays in _loras while it runs
         self._loras: dict[str, object] = {}  # name -> llama_adapter_lora pointer
         self._active = BASE  # the adapter set on the context
         for adapter in config.lora_adapters:
@@ -319,14 +319,18 @@ class LlamaCppEngine(BlockingGenerate):
 
     # ------------------------------------------------------------------ adapters
 
+    @property
+    def adapters(self) -> AdapterTable:
+        return self._adapters
+
     def load_adapter(self, adapter: Adapter) -> None:
         """Loads a GGUF LoRA for requests to name; InputError when its name or task id is taken."""
         with self._lock:
-            self.adapters.add(adapter)  # refuses a name or task id in use, before loading anything
+            self._adapters.add(adapter)  # refuses a name or task id in use, before loading anything
         pointer = self._llama.llama_adapter_lora_init(self._model, adapter.path.encode())
         with self._lock:
             if not pointer:
-                self.adapters.remove(adapter.name)
+                self._adapters.remove(adapter.name)
                 raise InputError("lora_path", f"llama.cpp could not load {adapter.path} for this model")
             self._loras[adapter.name] = pointer
 
@@ -334,18 +338,18 @@ class LlamaCppEngine(BlockingGenerate):
         """Takes an adapter away from new requests; its weights are freed once no request in the engine uses it,
         so the requests already submitted finish with it."""
         with self._lock:
-            adapter = self.adapters.remove(name)
+            adapter = self._adapters.remove(name)
         self._work.set()
         return adapter
 
     def _check_adapter(self, name: str) -> None:
-        if name != BASE and name not in self.adapters.by_name:
+        if name != BASE and name not in self._adapters.by_name:
             raise InputError("lora_name", f"no adapter named `{name}` is loaded")
 
     def _free_unused_adapters(self) -> None:
         with self._lock:
             used = {s.adapter for s in self._sequences.values()} | {s.adapter for s in self._running}
-            for name in [n for n in self._loras if n not in self.adapters.by_name and n not in used]:
+            for name in [n for n in self._loras if n not in self._adapters.by_name and n not in used]:
                 if self._active == name:
                     self._use_adapter(BASE)
                 for seq_id in [k for k, a in self._kept_adapter.items() if a == name]:
@@ -371,7 +375,7 @@ class LlamaCppEngine(BlockingGenerate):
         try:
             while not self._stopping.is_set():
                 self._admit()
-                if len(self._loras) > len(self.adapters.by_name):  # one was unloaded: freed once unused
+                if len(self._loras) > len(self._adapters.by_name):  # one was unloaded: freed once unused
                     self._free_unused_adapters()
                 if not self._running:
                     self._work.wait(0.1)

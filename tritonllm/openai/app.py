@@ -161,12 +161,12 @@ def create_app(settings: Settings, generator: Generator | None = None) -> FastAP
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [routes.model_card(generator)]}
+        return {"object": "list", "data": routes.model_cards(generator)}
 
     @app.get("/v1/models/{name}")
     async def get_model(name: str) -> dict:
         routes.check_model(generator, name)
-        return routes.model_card(generator)
+        return next(card for card in routes.model_cards(generator) if card["id"] == name)
 
     @app.get("/health")
     async def health() -> JSONResponse:
