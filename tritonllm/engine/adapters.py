@@ -3,7 +3,7 @@
 Every front reaches the engine model with the same two inputs (NVIDIA's `lora_task_id`, and the addition
 `lora_name`); the OpenAI layer sends its `model` as `lora_name`. `choose` is the one reading of them: an adapter
 neither names is the base model, an unknown one is the client's mistake, named. Each adapter gets the task id
-the build (or the admin route) gives it, so NVIDIA's clients, which send task ids, reach the same adapters.
+the build gives it, so NVIDIA's clients, which send task ids, reach the same adapters.
 """
 
 from __future__ import annotations
@@ -47,10 +47,6 @@ class AdapterTable:
         for adapter in adapters:
             self.add(adapter)
 
-    @classmethod
-    def of_json(cls, entries: Iterable[dict]) -> AdapterTable:
-        return cls(Adapter(**entry) for entry in entries)
-
     def add(self, adapter: Adapter) -> None:
         check_name(adapter.name, "lora_name")
         if adapter.name in self.by_name:
@@ -58,16 +54,6 @@ class AdapterTable:
         if adapter.task_id in self.by_task:
             raise InputError("lora_task_id", f"task id {adapter.task_id} is `{self.by_task[adapter.task_id].name}`'s")
         self.by_name[adapter.name] = self.by_task[adapter.task_id] = adapter
-
-    def remove(self, name: str) -> Adapter:
-        adapter = self.by_name.pop(name, None)
-        if adapter is None:
-            raise InputError("lora_name", f"no adapter named `{name}` is loaded{self._listing()}")
-        del self.by_task[adapter.task_id]
-        return adapter
-
-    def next_task_id(self) -> int:
-        return max(self.by_task, default=0) + 1
 
     def choose(self, name: str | None, task_id: int | None) -> str:
         """The adapter a request's `lora_name` and `lora_task_id` choose (BASE when neither is given, or the name is
@@ -83,8 +69,8 @@ class AdapterTable:
             if adapter is None:
                 raise InputError(
                     "lora_task_id",
-                    f"no adapter has task id {task_id}{self._listing()}; this engine takes no lora_weights: an adapter "
-                    "is loaded at build time (--lora) or by the admin route",
+                    f"no adapter has task id {task_id}{self._listing()}; this engine takes no lora_weights: "
+                    "adapters are converted and loaded at build time (--lora)",
                 )
             if chosen not in (BASE, adapter.name):
                 raise InputError(

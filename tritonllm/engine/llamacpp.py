@@ -216,7 +216,7 @@ class LlamaCppEngine(BlockingGenerate):
         self._stopping = threading.Event()
         self._steps = 0  # finished, for the health probe
         self._stopped: str | None = None  # why the engine takes no more requests (_fail_all)
-        self._adapters = AdapterTable()  # those requests may name; an unloaded one stays in _loras while it runs
+        self._adapters = AdapterTable()  # those requests may name
         self._loras: dict[str, object] = {}  # name -> llama_adapter_lora pointer
         self._active = BASE  # the adapter set on the context
         for adapter in config.lora_adapters:
@@ -252,14 +252,10 @@ class LlamaCppEngine(BlockingGenerate):
         if request.guide is not None:
             sequence.follower = self._guides.follower(request_id)
         with self._lock:  # under the lock _fail_all holds: a request is refused here or finished there, never lost
-            try:
-                if self._stopped is not None:
-                    raise EngineFailure(f"{self._stopped} (see the server log)")
-                self._check_adapter(request.adapter)  # again: an unloaded adapter is freed under this lock
-            except TritonLLMError:
+            if self._stopped is not None:
                 if request.guide is not None:  # its matcher, started in _controls, follows nothing
                     self._guides.release(request_id)
-                raise
+                raise EngineFailure(f"{self._stopped} (see the server log)")
             self._sequences[request_id] = sequence
             self._waiting.append(sequence)
         self._work.set()
@@ -324,37 +320,16 @@ class LlamaCppEngine(BlockingGenerate):
         return self._adapters
 
     def load_adapter(self, adapter: Adapter) -> None:
-        """Loads a GGUF LoRA for requests to name; InputError when its name or task id is taken."""
-        with self._lock:
-            self._adapters.add(adapter)  # refuses a name or task id in use, before loading anything
+        """Loads a GGUF LoRA (at start) for requests to name; InputError when its name or task id is taken."""
         pointer = self._llama.llama_adapter_lora_init(self._model, adapter.path.encode())
-        with self._lock:
-            if not pointer:
-                self._adapters.remove(adapter.name)
-                raise InputError("lora_path", f"llama.cpp could not load {adapter.path} for this model")
-            self._loras[adapter.name] = pointer
-
-    def unload_adapter(self, name: str) -> Adapter:
-        """Takes an adapter away from new requests; its weights are freed once no request in the engine uses it,
-        so the requests already submitted finish with it."""
-        with self._lock:
-            adapter = self._adapters.remove(name)
-        self._work.set()
-        return adapter
+        if not pointer:
+            raise EngineFailure(f"llama.cpp could not load the LoRA adapter {adapter.path} for this model")
+        self._adapters.add(adapter)
+        self._loras[adapter.name] = pointer
 
     def _check_adapter(self, name: str) -> None:
         if name != BASE and name not in self._adapters.by_name:
             raise InputError("lora_name", f"no adapter named `{name}` is loaded")
-
-    def _free_unused_adapters(self) -> None:
-        with self._lock:
-            used = {s.adapter for s in self._sequences.values()} | {s.adapter for s in self._running}
-            for name in [n for n in self._loras if n not in self._adapters.by_name and n not in used]:
-                if self._active == name:
-                    self._use_adapter(BASE)
-                for seq_id in [k for k, a in self._kept_adapter.items() if a == name]:
-                    self._forget(seq_id)
-                self._llama.llama_adapter_lora_free(self._loras.pop(name))
 
     def _use_adapter(self, name: str) -> None:
         if name == self._active:
@@ -375,8 +350,6 @@ class LlamaCppEngine(BlockingGenerate):
         try:
             while not self._stopping.is_set():
                 self._admit()
-                if len(self._loras) > len(self._adapters.by_name):  # one was unloaded: freed once unused
-                    self._free_unused_adapters()
                 if not self._running:
                     self._work.wait(0.1)
                     self._work.clear()
