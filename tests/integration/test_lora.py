@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -22,6 +23,8 @@ from tests.conftest import BUILD, ROOT, _served
 from tests.integration.test_controls import post
 from tests.integration.test_server import expected_text
 from tests.lora.adapter import ANSWER, chat_prefix, train_adapter
+from tests.polling import eventually
+from tritonllm.launch.tritonserver import metric_samples, metric_value
 
 pytestmark = pytest.mark.integration
 ADAPTER = "banana"
@@ -173,3 +176,27 @@ def test_the_prefix_cache_is_never_shared_across_adapters(api):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert first.choices[0].text == second.choices[0].text
+
+
+def test_metrics_count_each_adapter_s_requests_and_tokens(lora_server, api):
+    """The adapter's counters rise by its own requests and tokens; the base model's requests are not among them."""
+    base = next(card.id for card in api.models.list().data if card.parent is None)
+
+    def counters() -> tuple[float, float]:
+        samples = metric_samples(lora_server.metrics(timeout=30))
+        return tuple(
+            metric_value(samples, f"tritonllm_lora_{what}_total", adapter=ADAPTER)
+            for what in ("requests", "output_tokens")
+        )
+
+    # Earlier tests' requests are counted at the engine model's next tick (every 0.2 s): wait until two reads half a
+    # second apart agree.
+    for _ in range(20):
+        before = counters()
+        time.sleep(0.5)
+        if counters() == before:
+            break
+    answer = api.completions.create(model=ADAPTER, prompt="Hi", max_tokens=3)
+    api.completions.create(model=base, prompt="Hi", max_tokens=3)
+    expected = (before[0] + 1, before[1] + answer.usage.completion_tokens)
+    assert eventually(lambda: counters() == expected, timeout=10), (counters(), expected)
