@@ -7,6 +7,7 @@ shared with the same prompt for the adapter.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import torch
 import tritonclient.http as httpclient
 
 from client import infer_inputs, request_tensors
-from tests.conftest import BUILD, ROOT, _served
+from tests.conftest import BUILD, ROOT, _served, openai_client
 from tests.integration.test_controls import post
 from tests.integration.test_server import expected_text
 from tests.lora.adapter import ANSWER, chat_prefix, train_adapter
@@ -50,23 +51,9 @@ def lora_server(manifest, peft_folder, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def api(lora_server, manifest, tmp_path_factory):
-    import json
-
-    from tritonllm.launch.tritonserver import OpenAIFrontend, free_port
-
-    lora_manifest = json.loads((LORA_BUILD / "manifest.json").read_text())
-    frontend = OpenAIFrontend.for_build(
-        f"{lora_server.host}:{lora_server.grpc_port}",
-        lora_manifest,
-        free_port(),
-        log_file=tmp_path_factory.mktemp("openai") / "frontend.log",
-        workers=1,
-        repository=str(lora_server.repository),
-    )
-    frontend.start()
-    yield openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=300)
-    frontend.stop()
+def api(lora_server, tmp_path_factory):
+    manifest = json.loads((LORA_BUILD / "manifest.json").read_text())
+    yield from openai_client(lora_server, manifest, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

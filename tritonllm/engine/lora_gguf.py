@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 
 import numpy as np
 
 from tritonllm.engine.adapters import Adapter, check_name
+from tritonllm.engine.gguf_files import finish, is_current, partial
 from tritonllm.errors import ConfigError, InputError
 
 CONFIG = "adapter_config.json"
@@ -81,10 +81,9 @@ def convert_peft(name: str, folder: Path, base_gguf: Path, out_dir: Path) -> Ada
     folder = folder.resolve()
     config = peft_config(folder)
     out = out_dir / f"{name}.gguf"
-    stamp = out.with_suffix(".json")
     weights = folder / WEIGHTS
     signature = {"source": str(folder), "base": str(base_gguf), "mtime_ns": weights.stat().st_mtime_ns}
-    if out.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == signature:
+    if is_current(out, signature):
         return Adapter(name, 0, str(out), str(folder))
     base = gguf.GGUFReader(base_gguf)
     architecture = base.get_field(gguf.Keys.General.ARCHITECTURE).contents()
@@ -109,9 +108,8 @@ def convert_peft(name: str, folder: Path, base_gguf: Path, out_dir: Path) -> Ada
     alpha = float(config.get("lora_alpha", rank))
     if config.get("use_rslora"):
         alpha *= math.sqrt(rank)  # llama.cpp's scale alpha / rank is then rsLoRA's alpha / sqrt(rank)
-    tmp = out.with_name(out.name + ".partial")
     out_dir.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(tmp, architecture)
+    writer = gguf.GGUFWriter(partial(out), architecture)
     writer.add_type(gguf.GGUFType.ADAPTER)
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
@@ -126,10 +124,5 @@ def convert_peft(name: str, folder: Path, base_gguf: Path, out_dir: Path) -> Ada
             b = _permute(b, heads if target.endswith(".attn_q.weight") else kv_heads)
         writer.add_tensor(target + ".lora_a", np.ascontiguousarray(a))
         writer.add_tensor(target + ".lora_b", np.ascontiguousarray(b))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
-    stamp.write_text(json.dumps(signature, indent=1))
+    finish(writer, out, signature)
     return Adapter(name, 0, str(out), str(folder))

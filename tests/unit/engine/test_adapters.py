@@ -106,3 +106,16 @@ def test_llama_cpp_with_a_converted_adapter_generates_peft_s_tokens(manifest, to
             engine.submit(GenerationRequest(ids, 4, adapter="apple"), lambda emission: None)
     finally:
         engine.shutdown()
+
+
+def test_only_the_llama_cpp_engine_of_the_portable_flavor_takes_lora(manifest, capsys):
+    from tritonllm.repository.builder import parse_args
+    from tritonllm.repository.plan import BuildError, lora_adapters
+
+    transformers = EngineConfig(manifest["model_dir"], impl="transformers")
+    with pytest.raises(BuildError, match=r"llama\.cpp engine"):
+        lora_adapters(["a=/nowhere"], transformers, Path(manifest["model_dir"]))
+    for flavor in ("trtllm", "trtllm-llmapi"):
+        with pytest.raises(SystemExit):
+            parse_args(["--engine", flavor, "--lora", "a=/nowhere"])
+        assert "--lora is an option of --engine portable" in capsys.readouterr().err
