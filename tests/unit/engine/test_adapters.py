@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.engine.conftest import chat_ids
+from tests.unit.engine.conftest import chat_ids, submitted
 from tritonllm.engine.adapters import BASE, Adapter, AdapterTable
 from tritonllm.engine.api import LLAMACPP, EngineConfig, GenerationRequest
 from tritonllm.engine.lora_gguf import LoraError, convert_peft, parse_lora, peft_config
@@ -102,6 +102,10 @@ def test_llama_cpp_with_a_converted_adapter_generates_peft_s_tokens(manifest, to
             torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
         )
         assert adapted == reference[0, len(ids) :].tolist() and adapted != plain
+        # Submitted together, they share steps (a decode each per step) and still get their own tokens.
+        together = [submitted(engine, GenerationRequest(ids, 16, adapter=name)) for name in ("rand", "", "rand")]
+        assert all(done.wait(120) for done, _ in together)
+        assert [[t for e in emissions for t in e.token_ids] for _, emissions in together] == [adapted, plain, adapted]
         with pytest.raises(InputError, match="lora_name"):
             engine.submit(GenerationRequest(ids, 4, adapter="apple"), lambda emission: None)
     finally:
