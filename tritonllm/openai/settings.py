@@ -53,6 +53,6 @@ class Settings:
             engine_additions=not trtllm,
             tokenizer_class=manifest.get("tokenizer_class", ""),
             repository="" if trtllm else repository,
-            adapters=tuple(a["name"] for a in manifest.get("engine_config", {}).get("lora_adapters", ())),
+            adapters=tuple(a["name"] for a in (manifest.get("engine_config") or {}).get("lora_adapters", ())),
             **others,
         )
