@@ -110,6 +110,26 @@ def _served(build: Path, tmp_path_factory):
     assert code == 0, f"tritonserver exited with {code}; log tail:\n{text[-3000:]}"
 
 
+def openai_client(server, manifest: dict, tmp_path_factory):
+    """An OpenAI layer of one worker in front of `server` (a build's, described by its `manifest`), and the official
+    client on it, for a module's tests (a generator: `yield from` it in a fixture)."""
+    import openai
+
+    from tritonllm.launch.tritonserver import OpenAIFrontend
+
+    frontend = OpenAIFrontend.for_build(
+        f"{server.host}:{server.grpc_port}",
+        manifest,
+        free_port(),
+        log_file=tmp_path_factory.mktemp("openai") / "frontend.log",
+        workers=1,
+        repository=str(server.repository),
+    )
+    frontend.start()
+    yield openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    frontend.stop()
+
+
 @pytest.fixture(scope="session")
 def openai_frontend(server, manifest, tmp_path_factory):
     """Start OpenAI-compatible layers in front of the test server: openai_frontend(api_key=None) -> base URL.

@@ -114,8 +114,8 @@ Tensors = list[tuple[str, np.ndarray, str]]  # (name, value, Triton datatype)
 
 
 # The ensemble's (and tensorrt_llm_bls's) optional one-value inputs: name -> (numpy type, Triton datatype). The
-# names are NVIDIA's reference ensemble's, except the additions apply_chat_template, and num_top_log_probs and
-# openai_penalties (the portable engine's: model_repository/_shared/portable_text_io.pbtxt).
+# names are NVIDIA's reference ensemble's, except the additions apply_chat_template, and num_top_log_probs,
+# openai_penalties and lora_name (the portable engine's: model_repository/_shared/portable_text_io.pbtxt).
 SCALAR_INPUTS: dict[str, tuple[type, str]] = {
     "temperature": (np.float32, "FP32"),
     "top_k": (np.int32, "INT32"),
@@ -139,6 +139,8 @@ SCALAR_INPUTS: dict[str, tuple[type, str]] = {
     "stream": (bool, "BOOL"),
     "guided_decoding_guide_type": (object, "BYTES"),
     "guided_decoding_guide": (object, "BYTES"),
+    "lora_task_id": (np.uint64, "UINT64"),
+    "lora_name": (object, "BYTES"),
 }
 
 

@@ -206,7 +206,7 @@ def post(http_url: str, model: str, body: dict) -> tuple[int, dict]:
     ("extra", "named"),
     [
         ({"beam_width": 2}, "beam_width"),
-        ({"lora_task_id": 3}, "lora_task_id"),  # not an input: HTTP /generate makes it a request parameter
+        ({"lora_task_id": 3}, "lora_task_id"),  # no adapter has this task id (docs/lora.md)
         ({"guided_decoding_guide_type": "regex", "guided_decoding_guide": "[0-9"}, "guided_decoding_guide"),
         ({"num_top_log_probs": 21}, "num_top_log_probs"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 from client import generate, stream
-from tests.conftest import BUILD, ROOT
+from tests.conftest import BUILD, ROOT, openai_client
 from tests.integration.reference_clients import EndToEnd, InflightBatcher, run_end_to_end, run_inflight_batcher
-from tritonllm.launch.tritonserver import OpenAIFrontend, free_port
 from tritonllm.versions import LLM_API_RELEASES
 
 pytestmark = pytest.mark.integration
@@ -101,17 +99,7 @@ def test_nvidias_clients_are_answered(llmapi_server, server, tokenizer, manifest
 
 @pytest.fixture(scope="module")
 def api(llmapi_server, llmapi_manifest, tmp_path_factory):
-    frontend = OpenAIFrontend.for_build(
-        f"{llmapi_server.host}:{llmapi_server.grpc_port}",
-        llmapi_manifest,
-        free_port(),
-        log_file=tmp_path_factory.mktemp("llmapi-openai") / "frontend.log",
-        workers=1,
-        repository=str(llmapi_server.repository),
-    )
-    frontend.start()
-    yield openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=300)
-    frontend.stop()
+    yield from openai_client(llmapi_server, llmapi_manifest, tmp_path_factory)
 
 
 def chat(api, **options):

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tritonllm.engine.adapters import AdapterTable
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams, TokenLogProbs
 from tritonllm.engine.checks import check_controls, check_penalties, check_sampling
 from tritonllm.errors import InputError
@@ -28,7 +29,7 @@ from tritonllm.protocol import (
     PERF_OUTPUTS,
     TIMING_OUTPUTS,
 )
-from tritonllm.text.wire import Limits, log_probs_wanted, parse_guide, parse_word_list, scalar
+from tritonllm.text.wire import Limits, as_text, log_probs_wanted, parse_guide, parse_word_list, scalar
 
 
 def sampling_params(temperature, top_k, top_p, seed) -> SamplingParams:
@@ -64,9 +65,13 @@ class IndexedRequest(NamedTuple):
     sequence_index: int
 
 
-def parse_requests(arrays: dict[str, np.ndarray], limits: Limits) -> list[IndexedRequest]:
+def parse_requests(
+    arrays: dict[str, np.ndarray], limits: Limits, adapters: AdapterTable | None = None
+) -> list[IndexedRequest]:
     """The engine requests of a `tensorrt_llm` request: num_return_sequences (1 unless given) per batch row,
-    each sampled one with the row's seed plus its index, so the sequences differ as TensorRT-LLM's do."""
+    each sampled one with the row's seed plus its index, so the sequences differ as TensorRT-LLM's do. `adapters`:
+    the LoRA adapters `lora_name` and `lora_task_id` may choose (none when not given)."""
+    adapters = adapters or AdapterTable()
     batch = _batch_size(arrays)
     ids = arrays["input_ids"].reshape(batch, -1)
     streaming = bool(scalar(arrays, "streaming", 0))
@@ -114,6 +119,7 @@ def parse_requests(arrays: dict[str, np.ndarray], limits: Limits) -> list[Indexe
             embedding_bias=_embedding_bias(arrays, row, limits),
             log_probs=log_probs_wanted(arrays, row),
             guide=guide(arrays, row),
+            adapter=adapter(arrays, row, adapters),
         )
         check_controls(request, limits.vocab_size)
         for index in range(return_sequences(arrays, row)):
@@ -181,6 +187,11 @@ def guide(arrays: dict[str, np.ndarray], row: int) -> Guide | None:
         scalar(arrays, "guided_decoding_guide_type", row), scalar(arrays, "guided_decoding_guide", row)
     )
     return None if parsed is None else Guide(*parsed)
+
+
+def adapter(arrays: dict[str, np.ndarray], row: int, adapters: AdapterTable) -> str:
+    name = scalar(arrays, "lora_name", row)
+    return adapters.choose(None if name is None else as_text(name, "lora_name"), scalar(arrays, "lora_task_id", row))
 
 
 def _row_words(arrays: dict[str, np.ndarray], name: str, row: int, limits: Limits) -> tuple[tuple[int, ...], ...]:

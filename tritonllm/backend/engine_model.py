@@ -174,7 +174,10 @@ class EngineModel:
         log_info(f"tensorrt_llm: {what}, ready in {time.perf_counter() - started:.1f} s")
         # Of the instances sharing an engine, one registers the metrics; the others forward it their records.
         self._reports = self.engine.reports_metrics()
-        self.metrics = EngineMetrics(args["model_name"], args["model_version"], device) if self._reports else None
+        adapters = list(self.engine.adapters.by_name)
+        self.metrics = (
+            EngineMetrics(args["model_name"], args["model_version"], device, adapters) if self._reports else None
+        )
         self._outbox: Outbox[Emission | Exception] = Outbox(
             "tensorrt_llm-sender",
             self._send,
@@ -197,7 +200,7 @@ class EngineModel:
                 if scalar(arrays, "stop", 0):
                     self._stop(request.request_id(), sender)
                     continue
-                generations = parse_requests(arrays, self.limits)
+                generations = parse_requests(arrays, self.limits, self.engine.adapters)
                 self._admit(len(generations))
                 pad = arrays.get("pad_id")
                 counts = (
@@ -307,7 +310,8 @@ class EngineModel:
             generation.times = RowTimes.after(generation.times, generation.submitted, emission, generation.generated)
         if emission.final:
             generation.cached = emission.cached_tokens
-            self._finished.put(Finished(emission, len(generation.request.input_ids), generation.generated))
+            request = generation.request
+            self._finished.put(Finished(emission, len(request.input_ids), generation.generated, request.adapter))
         if emission.error or generation.request.streaming or emission.final:
             self._outbox.put(generation, emission)
 

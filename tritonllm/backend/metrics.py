@@ -13,6 +13,7 @@ loop, and `record` adds up each counter's requests into one increment per tick.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils
@@ -41,10 +42,20 @@ class Finished:
     emission: Emission  # its final emission: finish reason and timings
     input_tokens: int
     output_tokens: int
+    adapter: str = ""  # its LoRA adapter's name; "" for the base model
+
+
+@dataclass(frozen=True)
+class AdapterCounters:
+    """One LoRA adapter's finished requests and their tokens (label `adapter`)."""
+
+    requests: object
+    input_tokens: object
+    output_tokens: object
 
 
 class EngineMetrics:
-    def __init__(self, model: str, version: str, device: str) -> None:
+    def __init__(self, model: str, version: str, device: str, adapters: Sequence[str] = ()) -> None:
         labels = {"model": model, "version": version, "device": device}
         family = pb_utils.MetricFamily
         self._families = []  # a family must outlive its metrics
@@ -86,6 +97,17 @@ class EngineMetrics:
         self.ttft = make(
             "tritonllm_time_to_first_token_seconds", "From submission to the first generated token", family.HISTOGRAM
         ).Metric(labels=labels, buckets=TTFT_BUCKETS)
+        lora = [
+            make(f"tritonllm_lora_{what}_total", f"{description} of finished requests, by LoRA adapter", family.COUNTER)
+            for what, description in (
+                ("requests", "Count"),
+                ("input_tokens", "Prompt tokens"),
+                ("output_tokens", "Tokens generated"),
+            )
+        ]
+        self.adapters = {
+            name: AdapterCounters(*(f.Metric(labels={**labels, "adapter": name}) for f in lora)) for name in adapters
+        }
         self.tpot = make(
             "tritonllm_time_per_output_token_seconds", "Mean time per generated token after the first", family.HISTOGRAM
         ).Metric(labels=labels, buckets=TPOT_BUCKETS)
@@ -104,6 +126,10 @@ class EngineMetrics:
             counts[self.input_tokens] += request.input_tokens
             counts[self.cached_tokens] += emission.cached_tokens
             counts[self.output_tokens] += request.output_tokens
+            if (adapter := self.adapters.get(request.adapter)) is not None:
+                counts[adapter.requests] += 1
+                counts[adapter.input_tokens] += request.input_tokens
+                counts[adapter.output_tokens] += request.output_tokens
             if emission.error:
                 counts[self.errors[error_label(emission.error_kind)]] += 1
             if emission.time_to_first_token is not None:

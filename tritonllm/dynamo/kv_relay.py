@@ -55,6 +55,7 @@ class KvRelay:
                 num_block_tokens=[self.block_tokens] * len(hashes),
                 block_hashes=hashes,
                 parent_hash=event["parent_hash"],
+                lora_name=event.get("lora_name"),  # Dynamo hashes an adapter's blocks apart from the base model's
             )
         elif event["type"] == "removed":
             publisher.publish_removed(block_hashes=event["block_hashes"])

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tritonllm.engine.adapters import AdapterTable
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
 from tritonllm.errors import ConfigError, EngineFailure, ErrorKind, InputError, TritonLLMError, error_of_kind
 from tritonllm.options import flag_of, option
@@ -97,6 +98,7 @@ class GenerationRequest:
     # distribution (log_softmax of its logits, before penalties, bias, temperature or a grammar), as vLLM's default.
     log_probs: int = -1
     guide: Guide | None = None
+    adapter: str = ""  # the LoRA adapter's name (tritonllm/engine/adapters.py); "" for the base model
 
     @property
     def uses_controls(self) -> bool:
@@ -253,6 +255,8 @@ class EngineConfig:
         engine_only=LLAMACPP,
     )
     kv_events: str = ""  # a ZeroMQ endpoint for the prefix cache's KV events: the server's KV_EVENTS_ENV, at load
+    # The LoRA adapters (adapters.Adapter.as_json), converted at build time from --lora NAME=PATH.
+    lora_adapters: list[dict] = dataclasses.field(default_factory=list)
     attention: str = option(
         "auto",
         "attention kernel: varlen (CUDA, 16-bit types: FlashAttention over each request's own tokens) or sdpa "
@@ -342,6 +346,11 @@ class BlockingGenerate:
     """`generate` for an engine with `submit` (in this process, or in one of its own: tritonllm/engine/process.py)."""
 
     submit_rules = SubmitRules()
+
+    @property
+    def adapters(self) -> AdapterTable:
+        """The LoRA adapters requests may name: none but the llama.cpp engine's."""
+        return AdapterTable()
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         raise NotImplementedError

@@ -20,13 +20,14 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-Event = dict  # {"type": "stored", "token_ids", "block_hashes", "parent_hash", "block_tokens"} or
+Event = dict  # {"type": "stored", "token_ids", "block_hashes", "parent_hash", "block_tokens", "lora_name"} or
 # {"type": "removed", "block_hashes"}
 
 
-def block_hashes(tokens: np.ndarray, block_tokens: int) -> list[int]:
-    """The chained hash of each full block of `tokens` (signed 64-bit, as Dynamo's events carry them)."""
-    hashes, parent = [], b""
+def block_hashes(tokens: np.ndarray, block_tokens: int, adapter: str = "") -> list[int]:
+    """The chained hash of each full block of `tokens` (signed 64-bit, as Dynamo's events carry them). The chain
+    starts from the LoRA adapter's name: the same tokens computed with another adapter are other cells."""
+    hashes, parent = [], adapter.encode()
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
         digest = hashlib.blake2b(parent + tokens[start : start + block_tokens].astype("<i4").tobytes(), digest_size=8)
         parent = digest.digest()
@@ -42,9 +43,10 @@ class PrefixBlocks:
         self._publish = publish
         self._holders: Counter[int] = Counter()
 
-    def kept(self, tokens: np.ndarray) -> None:
-        """A sequence's cells were kept: its blocks that no kept sequence held are stored."""
-        hashes = block_hashes(tokens, self.block_tokens)
+    def kept(self, tokens: np.ndarray, adapter: str = "") -> None:
+        """A sequence's cells (computed with `adapter`, "" the base model) were kept: its blocks that no kept sequence
+        held are stored."""
+        hashes = block_hashes(tokens, self.block_tokens, adapter)
         # A block's parent is held at least as often as it: the blocks new here are a suffix of the chain.
         first = next((i for i, h in enumerate(hashes) if not self._holders[h]), len(hashes))
         self._holders.update(hashes)
@@ -57,12 +59,13 @@ class PrefixBlocks:
                     "block_hashes": hashes[first:],
                     "parent_hash": hashes[first - 1] if first else None,
                     "block_tokens": size,
+                    "lora_name": adapter or None,
                 }
             )
 
-    def dropped(self, tokens: np.ndarray) -> None:
+    def dropped(self, tokens: np.ndarray, adapter: str = "") -> None:
         """A kept sequence's cells went (given way, or taken over by a running request): blocks no other holds go."""
-        hashes = block_hashes(tokens, self.block_tokens)
+        hashes = block_hashes(tokens, self.block_tokens, adapter)
         self._holders.subtract(hashes)
         gone = [h for h in hashes if self._holders[h] <= 0]
         for h in gone:

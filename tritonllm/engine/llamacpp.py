@@ -13,6 +13,12 @@ of its row; for a request whose only controls are a logit bias and sampling, its
 (tritonllm/engine/row_controls.py). Streaming, stop words, end id,
 cancellation and finish reasons are the portable engine's (tritonllm/engine/portable.py).
 
+LoRA adapters (GGUF files the build converted, tritonllm/engine/lora_gguf.py) are loaded once. llama.cpp applies
+adapters to a whole context, not to a sequence, so a step is one `llama_decode` per adapter its requests use, the
+base model's included, each with that adapter set: requests of different adapters generate together, a decode
+each (docs/lora.md measures what that costs). Kept cells are shared only with a prompt of the same adapter: they
+were computed with it.
+
 `llama_decode` runs without the interpreter lock (ctypes releases it), so the engine model's sender thread sends
 responses while a step computes.
 """
@@ -34,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tritonllm.engine.adapters import BASE, Adapter, AdapterTable
 from tritonllm.engine.api import (
     LLAMA_MAX_SEQUENCES,
     BlockingGenerate,
@@ -69,6 +76,7 @@ class _Sequence(Lifecycle):
     reserved: int  # KV cache cells held for it: its prompt and its new tokens
     position: int = 0  # tokens in the KV cache
     seq_id: int = -1  # llama.cpp's sequence id, once in the batch
+    adapter: str = BASE  # the LoRA adapter its tokens are computed with
     follower: Follower | None = None  # its grammar matcher, for a guided request
 
 
@@ -203,6 +211,7 @@ class LlamaCppEngine(BlockingGenerate):
         self._free_ids = list(range(sequences - 1, -1, -1))
         self._reserved = 0
         self._kept: dict[int, np.ndarray] = {}  # the prefix cache: sequence id -> its tokens' ids, oldest first
+        self._kept_adapter: dict[int, str] = {}  # the adapter each kept sequence's cells were computed with
         self._kept_cells = 0
         self._blocks: PrefixBlocks | None = None  # the prefix cache as KV events, for a router
         self._events: ZmqPublisher | None = None
@@ -215,6 +224,11 @@ class LlamaCppEngine(BlockingGenerate):
         self._stopping = threading.Event()
         self._steps = 0  # finished, for the health probe
         self._stopped: str | None = None  # why the engine takes no more requests (_fail_all)
+        self._adapters = AdapterTable()  # those requests may name
+        self._loras: dict[str, object] = {}  # name -> llama_adapter_lora pointer
+        self._active = BASE  # the adapter set on the context
+        for adapter in config.lora_adapters:
+            self.load_adapter(Adapter(**adapter))
         self._loop_thread = threading.Thread(target=self._loop, name="llamacpp-engine", daemon=True)
         # The step thread and llama.cpp's CPU threads, which it starts, yield the cores to the stream's other steps.
         start_yielding(self._loop_thread.start, config.cpu_niceness)
@@ -239,8 +253,10 @@ class LlamaCppEngine(BlockingGenerate):
             )
         if reserved > self.cache_tokens:
             raise EngineFailure(f"a request of {reserved} tokens does not fit the KV cache of {self.cache_tokens}")
+        self._check_adapter(request.adapter)
         controls = self._controls(request, request_id)
         sequence = _Sequence(request_id, controls, list(request.input_ids), reserved, request=request, emit=emit)
+        sequence.adapter = request.adapter
         if request.guide is not None:
             sequence.follower = self._guides.follower(request_id)
         with self._lock:  # under the lock _fail_all holds: a request is refused here or finished there, never lost
@@ -307,6 +323,37 @@ class LlamaCppEngine(BlockingGenerate):
         if self._events is not None:
             self._events.close()
 
+    # ------------------------------------------------------------------ adapters
+
+    @property
+    def adapters(self) -> AdapterTable:
+        return self._adapters
+
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Loads a GGUF LoRA (at start) for requests to name; InputError when its name or task id is taken."""
+        pointer = self._llama.llama_adapter_lora_init(self._model, adapter.path.encode())
+        if not pointer:
+            raise EngineFailure(f"llama.cpp could not load the LoRA adapter {adapter.path} for this model")
+        self._adapters.add(adapter)
+        self._loras[adapter.name] = pointer
+
+    def _check_adapter(self, name: str) -> None:
+        if name != BASE and name not in self._adapters.by_name:
+            raise InputError("lora_name", f"no adapter named `{name}` is loaded")
+
+    def _use_adapter(self, name: str) -> None:
+        if name == self._active:
+            return
+        llama = self._llama
+        if name == BASE:
+            code = llama.llama_set_adapters_lora(self._ctx, None, 0, None)
+        else:
+            adapters = (llama.llama_adapter_lora_p_ctypes * 1)(self._loras[name])
+            code = llama.llama_set_adapters_lora(self._ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
+        if code != 0:
+            raise EngineFailure(f"llama_set_adapters_lora returned {code} for adapter `{name or 'base'}`")
+        self._active = name
+
     # ------------------------------------------------------------------ the step loop
 
     def _loop(self) -> None:
@@ -331,9 +378,10 @@ class LlamaCppEngine(BlockingGenerate):
             if self._keeps and sequence.position:
                 cells = np.array((sequence.request.input_ids + sequence.tokens)[: sequence.position], np.int32)
                 self._kept[sequence.seq_id] = cells
+                self._kept_adapter[sequence.seq_id] = sequence.adapter
                 self._kept_cells += len(cells)
                 if self._blocks is not None:
-                    self._blocks.kept(cells)
+                    self._blocks.kept(cells, sequence.adapter)
             else:
                 self._llama.llama_memory_seq_rm(self._memory, sequence.seq_id, -1, -1)
                 self._free_ids.append(sequence.seq_id)
@@ -356,7 +404,7 @@ class LlamaCppEngine(BlockingGenerate):
         room = self.cache_tokens - self._reserved - head.reserved  # what kept cells may hold once it runs
         if room < 0:
             return False  # running requests hold the room: it waits, and no kept cells go for nothing
-        source, reused = self._longest_prefix(head.pending)
+        source, reused = self._longest_prefix(head.pending, head.adapter)
         prefix = self._kept[source] if source is not None else None
 
         def shares() -> bool:
@@ -383,14 +431,16 @@ class LlamaCppEngine(BlockingGenerate):
         self._reserved += head.reserved
         return True
 
-    def _longest_prefix(self, prompt: list[int]) -> tuple[int | None, int]:
-        """The kept sequence that begins with the most of `prompt`'s tokens, and how many it can give: all but the
-        prompt's last, which is computed for its logits. (None, 0) when none begins with its first token."""
+    def _longest_prefix(self, prompt: list[int], adapter: str) -> tuple[int | None, int]:
+        """The kept sequence of `adapter` that begins with the most of `prompt`'s tokens, and how many it can give:
+        all but the prompt's last, which is computed for its logits. (None, 0) when none begins with its first token."""
         best, length = None, 0
         if not self._kept:  # the cache is off, or empty: no array of the prompt for nothing
             return best, length
         tokens = np.array(prompt[:-1], np.int32)
         for seq_id, cells in self._kept.items():
+            if self._kept_adapter[seq_id] != adapter:
+                continue
             n = min(len(cells), len(tokens))
             differ = np.flatnonzero(cells[:n] != tokens[:n])
             common = int(differ[0]) if differ.size else n
@@ -405,29 +455,40 @@ class LlamaCppEngine(BlockingGenerate):
 
     def _drop(self, seq_id: int) -> None:
         """`seq_id` is no longer a kept sequence (its cells go, or a running request takes them over)."""
-        cells = self._kept.pop(seq_id)
+        cells, adapter = self._kept.pop(seq_id), self._kept_adapter.pop(seq_id)
         self._kept_cells -= len(cells)
         if self._blocks is not None:
-            self._blocks.dropped(cells)
+            self._blocks.dropped(cells, adapter)
 
     def _step(self) -> None:
-        batch, budget = self._batch, self.config.max_batch_tokens
+        """Generating requests first, a token each; prompts take what is left of the step's budget. One decode per
+        adapter in use."""
+        budget = self.config.max_batch_tokens
+        groups: dict[str, list[tuple[_Sequence, list[int]]]] = {}
+        for sequence in sorted(self._running, key=lambda s: len(s.pending) > 1):
+            if sequence.done or not budget:
+                continue
+            chunk = sequence.pending[:budget]
+            budget -= len(chunk)
+            groups.setdefault(sequence.adapter, []).append((sequence, chunk))
+        # The adapter set on the context goes first, so a step of G adapters sets G - 1 of them (each set makes
+        # llama.cpp reserve its compute graph again at the next decode; cheap beside the decode: docs/performance.md).
+        for adapter in sorted(groups, key=lambda name: name != self._active):
+            self._decode(adapter, groups[adapter])
+
+    def _decode(self, adapter: str, chunks: list[tuple[_Sequence, list[int]]]) -> None:
+        """One llama_decode of the chunks of requests of one adapter, and their next tokens."""
+        batch = self._batch
         batch.size = 0
         outputs: list[_Sequence] = []
-        # Generating requests first, a token each; prompts take what is left of the step's budget.
-        for sequence in sorted(self._running, key=lambda s: len(s.pending) > 1):
-            room = budget - batch.size
-            if sequence.done or not room:
-                continue
-            chunk = sequence.pending[:room]
+        for sequence, chunk in chunks:
             last = len(chunk) == len(sequence.pending)
             batch.add(sequence.seq_id, chunk, sequence.position, last)
             sequence.position += len(chunk)
             del sequence.pending[: len(chunk)]
             if last:
                 outputs.append(sequence)
-        if not batch.size:
-            return
+        self._use_adapter(adapter)
         code = self._llama.llama_decode(self._ctx, batch.struct)
         if code != 0:
             raise EngineFailure(f"llama_decode returned {code} for a step of {batch.size} tokens")

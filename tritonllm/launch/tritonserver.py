@@ -211,6 +211,7 @@ class OpenAIFrontend:
     workers: int | None = None  # its processes on the port; None: tritonllm.openai.app's default for the cores
     repository: str = ""  # the built repository: the direct path to the engine model (portable flavor)
     trtllm: bool = False  # a TensorRT-LLM engine: requests carry none of the portable engine's additions
+    adapters: tuple[str, ...] = ()  # the build's LoRA adapters' names, each a model clients may name
 
     process: subprocess.Popen | None = None
 
@@ -229,6 +230,7 @@ class OpenAIFrontend:
             tokenizer_class=settings.tokenizer_class,
             repository=settings.repository,
             trtllm=not settings.engine_additions,
+            adapters=settings.adapters,
             **options,
         )
 
@@ -272,6 +274,8 @@ class OpenAIFrontend:
             command += ["--repository", self.repository]
         if self.trtllm:
             command.append("--trtllm")
+        for adapter in self.adapters:
+            command += ["--adapter", adapter]
         env = dict(os.environ, TRITONLLM_API_KEY=self.api_key or "")
         output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
         self._output = output

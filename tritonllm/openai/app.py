@@ -161,12 +161,12 @@ def create_app(settings: Settings, generator: Generator | None = None) -> FastAP
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [routes.model_card(generator)]}
+        return {"object": "list", "data": routes.model_cards(generator)}
 
     @app.get("/v1/models/{name}")
     async def get_model(name: str) -> dict:
         routes.check_model(generator, name)
-        return routes.model_card(generator)
+        return next(card for card in routes.model_cards(generator) if card["id"] == name)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -237,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         help="without --manifest: the server runs a TensorRT-LLM engine (none of the portable engine's additions)",
     )
     parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        help="without --manifest: a LoRA adapter of the build (its manifest's engine_config.lora_adapters), served "
+        "as a model of that name; repeat for more",
+    )
+    parser.add_argument(
         "--repository",
         default="",
         help="the built model repository: each choice streams from the engine model, its text made here (with "
@@ -282,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             engine_additions=not args.trtllm,
             tokenizer_class=args.tokenizer_class,
             repository=args.repository,
+            adapters=tuple(args.adapter),
         )
     if not settings.api_key and not is_loopback(args.host):
         print(open_layer_warning(args.host, args.port), file=sys.stderr, flush=True)

@@ -144,7 +144,10 @@ class Generator:
     async def generate(self, prompt: Prompt, body: SamplingRequest, index: int) -> AsyncIterator[Generation]:
         """Stream one choice from Triton: deltas (finish_reason None), then a final Generation."""
         tensors = request_tensors(
-            prompt.text, prompt.max_tokens, **body.inputs(index, self.vocab_size, self.settings.engine_additions)
+            prompt.text,
+            prompt.max_tokens,
+            **body.inputs(index, self.vocab_size, self.settings.engine_additions),
+            lora_name=self.settings.adapter_of(body.model) or None,  # the routes checked it
         )
         if self.direct is not None:
             pipeline = self.direct.request({name: value for name, value, _ in tensors}, prompt.ids)

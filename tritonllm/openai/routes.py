@@ -26,16 +26,21 @@ CREATED = int(time.time())  # the model card's creation time: when this layer st
 MAX_CHOICES = 128  # of one completions request: its prompts times n, each a stream of its own
 
 
-def model_card(generator: Generator) -> dict:
-    return {"id": generator.settings.model_name, "object": "model", "created": CREATED, "owned_by": "tritonllm"}
+def model_cards(generator: Generator) -> list[dict]:
+    """The base model's card, then each LoRA adapter's, whose `parent` is the base (vLLM's cards)."""
+    base = generator.settings.model_name
+    return [
+        {"id": name, "object": "model", "created": CREATED, "owned_by": "tritonllm", "parent": parent}
+        for name, parent in [(base, None), *((adapter, base) for adapter in generator.settings.adapters)]
+    ]
 
 
 def check_model(generator: Generator, name: str) -> None:
-    served = generator.settings.model_name
-    if name != served:
+    if generator.settings.adapter_of(name) is None:
+        served = ", ".join(f"`{card['id']}`" for card in model_cards(generator))
         raise APIError(
             ErrorKind.NOT_FOUND,
-            f"The model `{name}` does not exist; this server serves `{served}`",
+            f"The model `{name}` does not exist; this server serves {served}",
             param="model",
             code="model_not_found",
         )
@@ -88,7 +93,7 @@ async def completions(generator: Generator, body: CompletionRequest):
     check_min_tokens(body, budgets)
     texts = generator.token_texts
     echoes = [p if body.echo else "" for p in prompts]  # choice i echoes prompt i // n
-    model = generator.settings.model_name
+    model = body.model
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
 
     def choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
@@ -212,7 +217,7 @@ async def chat_completions(generator: Generator, body: ChatRequest):
     budget = await asyncio.to_thread(chat_budget, generator, body)  # the template and the tokenizer: off the loop
     check_min_tokens(body, [budget])
     texts = generator.token_texts
-    model = generator.settings.model_name
+    model = body.model
     base = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
         "object": "chat.completion",

@@ -30,6 +30,13 @@ class Settings:
     # The built repository, for the direct path to the engine model (openai/engine_stream.py); empty: every choice
     # goes through tensorrt_llm_bls (the TensorRT-LLM flavor's engine model does not stream in its default deployment).
     repository: str = ""
+    adapters: tuple[str, ...] = ()  # the LoRA adapters' names, each a `model` of its own (vLLM's convention)
+
+    def adapter_of(self, model: str) -> str | None:
+        """The adapter a request's `model` names: "" for the base model, None for a model not served."""
+        if model == self.model_name:
+            return ""
+        return model if model in self.adapters else None
 
     @classmethod
     def from_manifest(cls, manifest: dict, grpc_url: str, repository: str = "", **others) -> Settings:
@@ -46,5 +53,6 @@ class Settings:
             engine_additions=not trtllm,
             tokenizer_class=manifest.get("tokenizer_class", ""),
             repository="" if trtllm else repository,
+            adapters=tuple(a["name"] for a in (manifest.get("engine_config") or {}).get("lora_adapters", ())),
             **others,
         )

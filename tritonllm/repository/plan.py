@@ -11,10 +11,12 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tritonllm.engine.adapters import AdapterTable
 from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, EngineConfig, check_engine_instances
 from tritonllm.engine.llmapi_config import KV_CACHE_DTYPES, LLM_API_CONFIG_FILE, LlmApiConfig
+from tritonllm.engine.lora_gguf import convert_peft, parse_lora
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
-from tritonllm.errors import ConfigError
+from tritonllm.errors import ConfigError, InputError
 from tritonllm.options import option_fields
 from tritonllm.protocol import engine_model
 from tritonllm.repository.model_source import retype_gguf
@@ -201,6 +203,8 @@ def plan_portable(model_dir: Path, gguf: Path | None, args: argparse.Namespace) 
         raise BuildError(str(exc)) from None
     if config.impl == LLAMACPP and config.dtype != GGUF_AS_IS:
         config = dataclasses.replace(config, gguf_file=str(retype_gguf(gguf, config.dtype, model_dir.parent)))
+    if args.lora:
+        config = dataclasses.replace(config, lora_adapters=lora_adapters(args.lora, config, model_dir))
     # llama.cpp keeps its KV cache in float16.
     kv_dtype = "float16" if config.impl == LLAMACPP else config.dtype
     budget = int(args.kv_cache_gib * 2**30) // kv_bytes_per_token(text_config, kv_dtype)
@@ -222,6 +226,25 @@ def plan_portable(model_dir: Path, gguf: Path | None, args: argparse.Namespace) 
         engine_values={"engine_instance_kind": "KIND_GPU" if config.device == "cuda" else "KIND_CPU"},
         engine_config=dataclasses.replace(config, kv_cache_tokens=kv_cache_tokens),
     )
+
+
+def lora_adapters(specs: list[str], config: EngineConfig, model_dir: Path) -> list[dict]:
+    """--lora NAME=PATH, each PEFT folder converted for the llama.cpp engine, with task ids 1, 2, ... in order."""
+    if config.impl != LLAMACPP:
+        raise BuildError(
+            f"--lora: adapters are served by the llama.cpp engine (a GGUF model); this build runs {config.impl}"
+        )
+    table = AdapterTable()
+    for task_id, spec in enumerate(specs, start=1):
+        name, folder = parse_lora(spec)
+        if name == model_dir.name:
+            raise BuildError(f"--lora {spec}: `{name}` is the base model's name")
+        adapter = convert_peft(name, folder, Path(config.gguf_file), model_dir.parent / "lora")
+        try:
+            table.add(dataclasses.replace(adapter, task_id=task_id))
+        except InputError as exc:
+            raise BuildError(f"--lora {spec}: {exc}") from None
+    return [adapter.as_json() for adapter in table.by_name.values()]
 
 
 def plan_synthetic(model_dir: Path, args: argparse.Namespace) -> BuildPlan:

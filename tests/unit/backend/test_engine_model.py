@@ -22,6 +22,7 @@ import pytest
 
 from tests.polling import eventually
 from tests.unit.backend import fake_pb_utils
+from tritonllm.engine.adapters import AdapterTable
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, GenerationRequest
 from tritonllm.errors import ErrorKind, InputError
 from tritonllm.protocol import (
@@ -58,6 +59,7 @@ class FakeEngine:
         self.relayed: list[str] | None = None  # a list: an engine several instances share, relaying stop requests
         self.reporting = True  # whether the model reports the metrics, or forwards its records (to `forwarded`)
         self.forwarded: list = []
+        self.adapters = AdapterTable()
         self.step_count: int | None = 0  # steps(): what the health probe reads
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:

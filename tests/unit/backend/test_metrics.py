@@ -54,3 +54,21 @@ def test_every_metric_carries_the_instances_device(metrics):
     it)."""
     made = [metric for family in fake_pb_utils.metric_families for metric in family.metrics]
     assert made and all(m.labels["device"] == "cuda:0" and m.labels["model"] == "tensorrt_llm" for m in made)
+
+
+def test_each_adapter_counts_its_own_requests_and_tokens(monkeypatch):
+    fake_pb_utils.install(monkeypatch)
+    from tritonllm.backend.metrics import EngineMetrics, Finished
+
+    metrics = EngineMetrics("tensorrt_llm", "1", "cpu", ["banana", "cherry"])
+    metrics.record(
+        [
+            Finished(Emission([1], "eos"), 8, 2, "banana"),
+            Finished(Emission([1], "eos"), 5, 3, "banana"),
+            Finished(Emission([1], "eos"), 7, 4),  # the base model: counted only in the totals
+        ]
+    )
+    banana, cherry = metrics.adapters["banana"], metrics.adapters["cherry"]
+    assert (banana.requests.value(), banana.input_tokens.value(), banana.output_tokens.value()) == (2, 13, 5)
+    assert banana.requests.labels["adapter"] == "banana" and banana.requests.increments == 1
+    assert cherry.requests.value() == 0 and metrics.output_tokens.value() == 9

@@ -22,12 +22,18 @@ class Recorder:
 def test_events_become_publisher_calls():
     relay, publisher = KvRelay("ipc:///unused", 16), Recorder()
     stored = {"type": "stored", "token_ids": list(range(32)), "block_hashes": [1, 2], "parent_hash": 7}
-    relay.relay({**stored, "block_tokens": 16}, publisher)
+    relay.relay({**stored, "block_tokens": 16, "lora_name": "terse"}, publisher)
     relay.relay({"type": "removed", "block_hashes": [2]}, publisher)
     assert publisher.calls == [
         (
             "stored",
-            {"token_ids": list(range(32)), "num_block_tokens": [16, 16], "block_hashes": [1, 2], "parent_hash": 7},
+            {
+                "token_ids": list(range(32)),
+                "num_block_tokens": [16, 16],
+                "block_hashes": [1, 2],
+                "parent_hash": 7,
+                "lora_name": "terse",
+            },
         ),
         ("removed", {"block_hashes": [2]}),
     ]

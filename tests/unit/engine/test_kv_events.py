@@ -36,6 +36,7 @@ def test_a_block_several_kept_sequences_hold_is_stored_once_and_removed_with_the
             "block_hashes": h_first,
             "parent_hash": None,
             "block_tokens": 4,
+            "lora_name": None,
         },
         {
             "type": "stored",
@@ -43,6 +44,7 @@ def test_a_block_several_kept_sequences_hold_is_stored_once_and_removed_with_the
             "block_hashes": h_second[1:],
             "parent_hash": h_first[0],
             "block_tokens": 4,
+            "lora_name": None,
         },
     ]
     events.clear()
@@ -86,3 +88,18 @@ def test_events_reach_a_subscriber_as_json(tmp_path):
     finally:
         subscriber.close()
         publisher.close()
+
+
+def test_an_adapters_blocks_are_other_blocks():
+    events: list[dict] = []
+    cache = blocks(events)
+    tokens = np.arange(8, dtype=np.int32)
+    cache.kept(tokens)
+    cache.kept(tokens, "terse")
+    assert [e["type"] for e in events] == ["stored", "stored"]
+    assert events[1]["lora_name"] == "terse"
+    assert not set(events[0]["block_hashes"]) & set(events[1]["block_hashes"])
+    assert events[1]["block_hashes"] == block_hashes(tokens, 4, "terse")
+    events.clear()
+    cache.dropped(tokens, "terse")
+    assert events == [{"type": "removed", "block_hashes": block_hashes(tokens, 4, "terse")}]

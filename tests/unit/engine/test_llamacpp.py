@@ -410,7 +410,11 @@ def test_prefix_cache_publishes_its_kept_blocks_and_their_removal(manifest, toke
             else:
                 assert set(event["block_hashes"]) <= announced, "a block was removed that was never stored"
                 announced -= set(event["block_hashes"])
-        held = {h for cells in eng._kept.values() for h in block_hashes(cells, KV_EVENT_BLOCK_TOKENS)}
+        held = {
+            h
+            for seq_id, cells in eng._kept.items()
+            for h in block_hashes(cells, KV_EVENT_BLOCK_TOKENS, eng._kept_adapter[seq_id])
+        }
         assert announced == held
     finally:
         subscriber.close()

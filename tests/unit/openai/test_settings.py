@@ -51,3 +51,18 @@ def test_the_launcher_starts_the_layer_with_the_settings_the_layer_would_read(en
         settings.tokenizer_class,
         settings.kv_cache_block_tokens,
     )
+
+
+@pytest.mark.parametrize(
+    ("engine_config", "adapters"),
+    [(None, ()), ({}, ()), ({"lora_adapters": [{"name": "sql", "task_id": 1, "path": "sql.gguf"}]}, ("sql",))],
+    ids=["trtllm-flavors", "no-adapters", "one-adapter"],
+)
+def test_the_build_s_adapters_are_models_of_their_own(engine_config, adapters):
+    """A TensorRT-LLM build records no engine_config (None); a portable one lists its LoRA adapters in it."""
+    settings = Settings.from_manifest(dict(PORTABLE, engine_config=engine_config), "127.0.0.1:8001")
+    assert settings.adapters == adapters
+    frontend = OpenAIFrontend.for_build("127.0.0.1:8001", dict(PORTABLE, engine_config=engine_config), 9000)
+    assert frontend.adapters == adapters
+    assert settings.adapter_of(settings.model_name) == "" and settings.adapter_of("unknown") is None
+    assert all(settings.adapter_of(name) == name for name in adapters)
