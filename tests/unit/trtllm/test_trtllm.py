@@ -243,7 +243,15 @@ def test_the_build_writes_the_tokenizer_info_where_the_config_points(engine_dir,
     assert manifest["kv_cache_block_tokens"] == 32  # the OpenAI layer's unit of kv_cache_reused_blocks
 
 
-PORTABLE_ADDITIONS = {"num_top_log_probs", "openai_penalties", "top_log_probs", "top_log_prob_ids"}
+# lora_task_id is NVIDIA's name, but only the portable flavor serves adapters (docs/lora.md).
+PORTABLE_ADDITIONS = {
+    "num_top_log_probs",
+    "openai_penalties",
+    "top_log_probs",
+    "top_log_prob_ids",
+    "lora_task_id",
+    "lora_name",
+}
 
 
 @pytest.mark.parametrize("decoupled_mode", [False, True])
