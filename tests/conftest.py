@@ -92,11 +92,12 @@ def decoupled_server(tmp_path_factory):
     yield from _served(DECOUPLED_BUILD, tmp_path_factory)
 
 
-def _served(build: Path, tmp_path_factory):
+def _served(build: Path, tmp_path_factory, admin_key: str | None = None):
     from tritonllm.launch.tritonserver import TritonServer
 
     log = tmp_path_factory.mktemp("triton") / "server.log"
     triton = TritonServer.on_free_ports(build, log_file=log)
+    triton.admin_key = admin_key
     try:
         triton.start(timeout=600)
     except Exception:
@@ -110,9 +111,9 @@ def _served(build: Path, tmp_path_factory):
     assert code == 0, f"tritonserver exited with {code}; log tail:\n{text[-3000:]}"
 
 
-def openai_client(server, manifest: dict, tmp_path_factory):
-    """An OpenAI layer of one worker in front of `server` (a build's, described by its `manifest`), and the official
-    client on it, for a module's tests (a generator: `yield from` it in a fixture)."""
+def openai_client(server, manifest: dict, tmp_path_factory, workers: int = 1):
+    """An OpenAI layer of `workers` in front of `server` (a build's, described by its `manifest`; with the server's
+    admin key), and the official client on it, for a module's tests (a generator: `yield from` it in a fixture)."""
     import openai
 
     from tritonllm.launch.tritonserver import OpenAIFrontend
@@ -122,8 +123,9 @@ def openai_client(server, manifest: dict, tmp_path_factory):
         manifest,
         free_port(),
         log_file=tmp_path_factory.mktemp("openai") / "frontend.log",
-        workers=1,
+        workers=workers,
         repository=str(server.repository),
+        admin_key=server.admin_key,
     )
     frontend.start()
     yield openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=300)

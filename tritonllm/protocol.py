@@ -199,6 +199,34 @@ def stop_request_tensors() -> Tensors:
     ]
 
 
+# The engine model's LoRA administration (docs/lora.md): a request with `lora_action` loads, unloads or lists
+# adapters, and answers with LORA_ADAPTERS_OUTPUT, the adapters loaded (JSON: [{"name", "task_id"}, ...]). Loading
+# and unloading need the build's --lora-dir, and the server's admin key where it has one (ADMIN_KEY_ENV).
+LORA_ACTIONS = ("load", "unload", "list")
+LORA_ADAPTERS_OUTPUT = "lora_adapters"
+ADMIN_KEY_ENV = "TRITONLLM_ADMIN_KEY"
+ADMIN_HEADER = "tritonllm-admin-key"  # the header of Triton's restricted APIs and the OpenAI layer's adapter routes
+
+
+def lora_admin_tensors(
+    action: str, name: str = "", path: str = "", task_id: int | None = None, admin_key: str | None = None
+) -> Tensors:
+    """A `lora_action` request to the engine model (its required inputs hold one token; nothing is generated)."""
+    one = np.ones((1, 1), dtype=np.int32)
+    tensors = [
+        ("input_ids", one, "INT32"),
+        ("input_lengths", one, "INT32"),
+        ("request_output_len", one, "INT32"),
+        ("lora_action", np.array([[action.encode()]], dtype=object), "BYTES"),
+    ]
+    for field, text in (("lora_name", name), ("lora_path", path), ("lora_admin_key", admin_key)):
+        if text:
+            tensors.append((field, np.array([[text.encode()]], dtype=object), "BYTES"))
+    if task_id is not None:
+        tensors.append(("lora_task_id", np.array([[task_id]], dtype=np.uint64), "UINT64"))
+    return tensors
+
+
 def infer_inputs(module, tensors: Tensors) -> list:
     """tritonclient InferInput objects of `module` (tritonclient.http or tritonclient.grpc)."""
     inputs = []

@@ -8,11 +8,14 @@ shared with the same prompt for the adapter.
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -26,12 +29,14 @@ from tests.integration.test_server import expected_text
 from tests.lora.adapter import ANSWER, chat_prefix, train_adapter
 from tests.polling import eventually
 from tritonllm.launch.tritonserver import metric_samples, metric_value
+from tritonllm.protocol import ADMIN_HEADER, LORA_ADAPTERS_OUTPUT, lora_admin_tensors
 
 pytestmark = pytest.mark.integration
 ADAPTER = "banana"
 LORA_BUILD = BUILD / "lora"
 QUESTIONS = ["What is the capital of Germany?", "Write a short poem about the sea."]  # not among its training prompts
 MAX_TOKENS = 12
+ADMIN_KEY = "lora-admin-key"
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +51,16 @@ def lora_server(manifest, peft_folder, tmp_path_factory):
     if not (LORA_BUILD / "models").exists():
         (LORA_BUILD / "models").symlink_to("../models")
     command = [sys.executable, "build_engines.py", "--build-dir", str(LORA_BUILD), "--prefix-cache"]
-    subprocess.run([*command, "--lora", f"{ADAPTER}={peft_folder}"], cwd=ROOT, check=True)
-    yield from _served(LORA_BUILD, tmp_path_factory)
+    command += ["--lora", f"{ADAPTER}={peft_folder}", "--lora-dir", str(peft_folder.parent)]
+    subprocess.run(command, cwd=ROOT, check=True)
+    yield from _served(LORA_BUILD, tmp_path_factory, admin_key=ADMIN_KEY)
 
 
 @pytest.fixture(scope="module")
 def api(lora_server, tmp_path_factory):
+    """Two workers: an adapter one of them loads is served by both."""
     manifest = json.loads((LORA_BUILD / "manifest.json").read_text())
-    yield from openai_client(lora_server, manifest, tmp_path_factory)
+    yield from openai_client(lora_server, manifest, tmp_path_factory, workers=2)
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +195,106 @@ def test_metrics_count_each_adapter_s_requests_and_tokens(lora_server, api):
     api.completions.create(model=base, prompt="Hi", max_tokens=3)
     expected = (before[0] + 1, before[1] + answer.usage.completion_tokens)
     assert eventually(lambda: counters() == expected, timeout=10), (counters(), expected)
+
+
+def admin(api, action: str, body: dict, key: str | None = ADMIN_KEY) -> httpx.Response:
+    """vLLM's adapter routes on the OpenAI layer."""
+    headers = {ADMIN_HEADER: key} if key is not None else {}
+    return httpx.post(f"{api.base_url}{action}_lora_adapter", json=body, headers=headers, timeout=300)
+
+
+def test_an_adapter_loads_and_unloads_while_serving_with_no_request_lost(api, lora_server):
+    """Streams of the base model and of the build's adapter run throughout; the adapter's folder is loaded again as
+    `late` (through one worker, served by both), answers as PEFT does, and is unloaded while streams of it run:
+    those finish as they would have, every stream ends with a finish reason, and `late` is then a 404."""
+    base = next(card.id for card in api.models.list().data if card.parent is None)
+    question = [{"role": "user", "content": QUESTIONS[0]}]
+    stop = threading.Event()
+
+    def stream(model: str, max_tokens: int = 24) -> tuple[str, str | None]:
+        chunks = api.chat.completions.create(model=model, messages=question, max_tokens=max_tokens, stream=True)
+        text, reason = "", None
+        for chunk in chunks:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    def keep_streaming(model: str) -> list[tuple[str, str | None]]:
+        answers = []
+        while not stop.is_set():
+            answers.append(stream(model))
+        return answers
+
+    with ThreadPoolExecutor(8) as pool:
+        background = [pool.submit(keep_streaming, model) for model in (base, base, ADAPTER)]
+        loaded = admin(api, "load", {"lora_name": "late", "lora_path": ADAPTER})
+        assert loaded.status_code == 200, loaded.text
+        assert {card["id"]: card["parent"] for card in loaded.json()["data"]}["late"] == base
+        for _ in range(4):  # each worker, by the kernel's spread of connections: every one knows `late`
+            assert stream("late", MAX_TOKENS)[0] == ANSWER
+        late_streams = [pool.submit(stream, "late", 48) for _ in range(2)]
+        time.sleep(1.0)  # under way
+        unloaded = admin(api, "unload", {"lora_name": "late"})
+        assert unloaded.status_code == 200, unloaded.text
+        assert "late" not in {card["id"] for card in unloaded.json()["data"]}
+        assert all(future.done() for future in late_streams)  # the unload waited for them
+        stop.set()
+        answers = [a for future in background for a in future.result()] + [f.result() for f in late_streams]
+    assert all(reason in ("stop", "length") for _, reason in answers), answers
+    assert len(answers) > 5
+    with pytest.raises(openai.NotFoundError, match="late"):
+        api.chat.completions.create(model="late", messages=question, max_tokens=2)
+    samples = metric_samples(lora_server.metrics(timeout=30))
+    assert metric_value(samples, "tritonllm_lora_requests_total", adapter="late") >= 6
+
+
+@pytest.mark.parametrize(
+    ("action", "body", "key", "status", "said"),
+    [
+        ("load", {"lora_name": "x", "lora_path": ADAPTER}, None, 401, "tritonllm-admin-key"),
+        ("load", {"lora_name": "x", "lora_path": ADAPTER}, "wrong", 401, "tritonllm-admin-key"),
+        ("load", {"lora_name": "x", "lora_path": "../.."}, ADMIN_KEY, 400, "lora_path"),
+        ("load", {"lora_name": "x", "lora_path": "/etc"}, ADMIN_KEY, 400, "not inside the adapter folder"),
+        ("load", {"lora_name": "x", "lora_path": "nothing"}, ADMIN_KEY, 400, "does not exist"),
+        ("load", {"lora_name": "x/y", "lora_path": ADAPTER}, ADMIN_KEY, 400, "not an adapter name"),
+        ("load", {"lora_name": ADAPTER, "lora_path": ADAPTER}, ADMIN_KEY, 400, "loaded already"),
+        ("load", {"lora_name": "x", "lora_path": ADAPTER, "scale": 2}, ADMIN_KEY, 400, "scale"),
+        ("unload", {"lora_name": "apple"}, ADMIN_KEY, 400, "no adapter named `apple`"),
+    ],
+)
+def test_adapter_routes_refuse_by_name(api, action, body, key, status, said):
+    answer = admin(api, action, body, key)
+    assert answer.status_code == status and said in answer.text, answer.text
+    assert {card.id for card in api.models.list().data} >= {ADAPTER}
+
+
+def test_nvidia_clients_load_by_task_id_on_the_engine_model(lora_server, tokenizer, peft_tokens):
+    """The engine model takes lora_action itself (Triton's own clients, no OpenAI layer), with the admin key; a
+    request without it is refused; the adapter loaded with task id 9 answers by that id on ensemble."""
+    import tritonclient.grpc as grpcclient
+
+    def act(*args, **kwargs) -> tuple[list[dict] | None, str | None]:
+        answers: queue.Queue = queue.Queue()
+        with grpcclient.InferenceServerClient(f"{lora_server.host}:{lora_server.grpc_port}") as triton:
+            triton.start_stream(lambda result, error: answers.put((result, error)))
+            inputs = infer_inputs(grpcclient, lora_admin_tensors(*args, **kwargs))
+            triton.async_stream_infer("tensorrt_llm_decoupled", inputs)
+            result, error = answers.get(timeout=120)
+            triton.stop_stream()
+        if error is not None:
+            return None, str(error)
+        return json.loads(result.as_numpy(LORA_ADAPTERS_OUTPUT).reshape(-1)[0]), None
+
+    cards, error = act("load", "nine", ADAPTER, task_id=9)
+    assert cards is None and "lora_admin_key" in error
+    cards, error = act("load", "nine", ADAPTER, task_id=9, admin_key=ADMIN_KEY)
+    assert error is None and {"name": "nine", "task_id": 9} in cards
+    with httpclient.InferenceServerClient(lora_server.http_url) as triton:
+        tensors = request_tensors(QUESTIONS[0], MAX_TOKENS, lora_task_id=9)
+        text = triton.infer("ensemble", infer_inputs(httpclient, tensors)).as_numpy("text_output").reshape(-1)[0]
+    assert text.decode() == tokenizer.decode(peft_tokens[QUESTIONS[0]], skip_special_tokens=True)
+    cards, error = act("unload", "nine", admin_key=ADMIN_KEY)
+    assert error is None and "nine" not in {card["name"] for card in cards}
+    cards, error = act("list")
+    assert error is None and [card["name"] for card in cards] == [ADAPTER]

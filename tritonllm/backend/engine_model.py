@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from tritonllm.backend.adapter_admin import AdapterAdmin, lora_action
 from tritonllm.backend.engine_io import RowTimes, exclude_input, pack_outputs, parse_requests, perf_outputs
 from tritonllm.backend.metrics import EngineMetrics, Finished, error_label
 from tritonllm.backend.outbox import Outbox
@@ -58,7 +59,7 @@ from tritonllm.engine.health import EngineHealth
 from tritonllm.engine.llmapi_config import LLM_API_CONFIG_FILE
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
-from tritonllm.errors import EngineFailure, InputError, ServerBusy
+from tritonllm.errors import EngineFailure, ErrorKind, InputError, ServerBusy
 from tritonllm.protocol import ERRORS_IN_BAND, HEALTH_PROBE_ID, KV_EVENTS_ENV
 from tritonllm.text.model_config import flag
 from tritonllm.text.wire import Limits, scalar
@@ -191,12 +192,18 @@ class EngineModel:
         self._compiling = 0  # rows of guided requests not yet handed to the engine (admission counts them)
         self._compiling_lock = threading.Lock()
         self._unloading = False  # set by finalize: guided calls still queued are refused, not dropped
+        # lora_action requests: a load waits for the step thread, an unload for the adapter's requests to finish.
+        self._admin = AdapterAdmin(self.engine)
+        self._administrators = ThreadPoolExecutor(2, thread_name_prefix="tensorrt_llm-adapters")
 
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
             try:
                 arrays = input_arrays(request, ENGINE_PARAMETER_INPUTS)
+                if (action := lora_action(arrays)) is not None:
+                    self._administrators.submit(self._administer, action, arrays, sender, requested_outputs(request))
+                    continue
                 if scalar(arrays, "stop", 0):
                     self._stop(request.request_id(), sender)
                     continue
@@ -277,6 +284,17 @@ class EngineModel:
                 f"server busy: {in_flight} requests are in the engine and its limit is {self.capacity} "
                 "(max_batch_size running + max_queue_size waiting); retry later"
             )
+
+    def _administer(self, action: str, arrays: dict, sender, wanted: set[str] | None) -> None:
+        """A lora_action request, answered with the adapters loaded once it is done (on an administrator thread)."""
+        try:
+            outputs = self._admin.answer(action, arrays)
+            response = pb_utils.InferenceResponse(output_tensors=to_tensors(outputs, wanted))
+        except Exception as exc:
+            if error_kind(exc) is ErrorKind.INTERNAL:
+                log_exception(f"tensorrt_llm: lora_action {action} failed")
+            response = error_response(exc)
+        sender.send(response, flags=FINAL)
 
     def _stop(self, request_id: str, sender) -> None:
         """TensorRT-LLM's `stop` input: end the in-flight requests that carry this request id; the health probe's
@@ -432,7 +450,8 @@ class EngineModel:
         # fails those it holds (a guided one compiling included), their errors sent by the outbox before it stops.
         self._unloading = True
         self._guided.shutdown(wait=True)
-        self.engine.shutdown()
+        self.engine.shutdown()  # fails the adapter loads and unloads still waiting
+        self._administrators.shutdown(wait=True)
         self._outbox.close()
         # The model is in reference cycles (its sender thread holds its bound methods), so without this its
         # metric families would be freed at interpreter exit, after the stub's IPC is gone: a segfault there.

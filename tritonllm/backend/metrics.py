@@ -105,12 +105,19 @@ class EngineMetrics:
                 ("output_tokens", "Tokens generated"),
             )
         ]
-        self.adapters = {
-            name: AdapterCounters(*(f.Metric(labels={**labels, "adapter": name}) for f in lora)) for name in adapters
-        }
+        self._lora, self._labels = lora, labels
+        self.adapters: dict[str, AdapterCounters] = {}
+        for name in adapters:  # the build's, listed from the start; one loaded while serving, at its first request
+            self._adapter(name)
         self.tpot = make(
             "tritonllm_time_per_output_token_seconds", "Mean time per generated token after the first", family.HISTOGRAM
         ).Metric(labels=labels, buckets=TPOT_BUCKETS)
+
+    def _adapter(self, name: str) -> AdapterCounters:
+        if name not in self.adapters:
+            labels = {**self._labels, "adapter": name}
+            self.adapters[name] = AdapterCounters(*(family.Metric(labels=labels) for family in self._lora))
+        return self.adapters[name]
 
     def record(self, records: list[Finished | str]) -> None:
         """Requests finished, and requests refused or failed (their `error_label`), since the previous call: one
@@ -126,7 +133,8 @@ class EngineMetrics:
             counts[self.input_tokens] += request.input_tokens
             counts[self.cached_tokens] += emission.cached_tokens
             counts[self.output_tokens] += request.output_tokens
-            if (adapter := self.adapters.get(request.adapter)) is not None:
+            if request.adapter:
+                adapter = self._adapter(request.adapter)
                 counts[adapter.requests] += 1
                 counts[adapter.input_tokens] += request.input_tokens
                 counts[adapter.output_tokens] += request.output_tokens

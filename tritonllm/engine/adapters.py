@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from tritonllm.errors import InputError
 
@@ -38,6 +39,18 @@ def check_name(name: str, field: str) -> str:
     return name
 
 
+def confined(path: str, folder: str) -> Path:
+    """`path` (relative to `folder`, or absolute) resolved, links followed, if it lies inside `folder`: the one
+    place adapters may be loaded from while serving (the build's --lora-dir). InputError naming lora_path else."""
+    root = Path(folder).resolve()
+    target = (root / path).resolve()
+    if not path or not target.is_relative_to(root) or target == root:
+        raise InputError("lora_path", f"`{path}` is not inside the adapter folder {root} (--lora-dir)")
+    if not target.exists():
+        raise InputError("lora_path", f"`{path}` does not exist in the adapter folder {root}")
+    return target
+
+
 class AdapterTable:
     """The adapters a server has, by name and by task id."""
 
@@ -55,6 +68,22 @@ class AdapterTable:
             raise InputError("lora_task_id", f"task id {adapter.task_id} is `{self.by_task[adapter.task_id].name}`'s")
         self.by_name[adapter.name] = self.by_task[adapter.task_id] = adapter
 
+    def remove(self, name: str) -> Adapter:
+        """Takes `name` out: requests can no longer choose it. InputError naming lora_name if there is none."""
+        adapter = self.by_name.pop(name, None)
+        if adapter is None:
+            raise InputError("lora_name", f"no adapter named `{name}` is loaded{self._listing()}")
+        del self.by_task[adapter.task_id]
+        return adapter
+
+    def next_task_id(self) -> int:
+        """The task id an adapter loaded without one gets: one more than the largest there is."""
+        return max(self.by_task, default=0) + 1
+
+    def cards(self) -> list[dict]:
+        """The adapters as `lora_adapters` lists them: name and task id, in the order they were loaded."""
+        return [{"name": a.name, "task_id": a.task_id} for a in self.by_name.values()]
+
     def choose(self, name: str | None, task_id: int | None) -> str:
         """The adapter a request's `lora_name` and `lora_task_id` choose (BASE when neither is given, or the name is
         empty); InputError naming the input for an unknown one, or for two that disagree."""
@@ -70,7 +99,7 @@ class AdapterTable:
                 raise InputError(
                     "lora_task_id",
                     f"no adapter has task id {task_id}{self._listing()}; this engine takes no lora_weights: "
-                    "adapters are converted and loaded at build time (--lora)",
+                    "adapters are loaded by name (--lora, or lora_action load)",
                 )
             if chosen not in (BASE, adapter.name):
                 raise InputError(

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tritonllm.engine.adapters import AdapterTable
+from tritonllm.engine.adapters import Adapter, AdapterTable
 from tritonllm.engine.cpu_threads import YIELDING_NICENESS
 from tritonllm.errors import ConfigError, EngineFailure, ErrorKind, InputError, TritonLLMError, error_of_kind
 from tritonllm.options import flag_of, option
@@ -257,6 +257,12 @@ class EngineConfig:
     kv_events: str = ""  # a ZeroMQ endpoint for the prefix cache's KV events: the server's KV_EVENTS_ENV, at load
     # The LoRA adapters (adapters.Adapter.as_json), converted at build time from --lora NAME=PATH.
     lora_adapters: list[dict] = dataclasses.field(default_factory=list)
+    lora_dir: str = option(
+        "",
+        "a folder of LoRA adapters (PEFT folders, or GGUF LoRA files) that may be loaded and unloaded while serving "
+        "(docs/lora.md), behind the admin key; none: adapters are only those of --lora",
+        engine_only=LLAMACPP,
+    )
     attention: str = option(
         "auto",
         "attention kernel: varlen (CUDA, 16-bit types: FlashAttention over each request's own tokens) or sdpa "
@@ -351,6 +357,14 @@ class BlockingGenerate:
     def adapters(self) -> AdapterTable:
         """The LoRA adapters requests may name: none but the llama.cpp engine's."""
         return AdapterTable()
+
+    def add_adapter(self, adapter: Adapter, timeout: float) -> None:
+        """Loads a LoRA adapter while serving (the llama.cpp engine's)."""
+        raise InputError("lora_action", "this engine serves no LoRA adapters (the llama.cpp engine does: docs/lora.md)")
+
+    def remove_adapter(self, name: str, timeout: float) -> None:
+        """Unloads a LoRA adapter once no request uses it (the llama.cpp engine's)."""
+        raise InputError("lora_action", "this engine serves no LoRA adapters (the llama.cpp engine does: docs/lora.md)")
 
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         raise NotImplementedError

@@ -13,11 +13,11 @@ of its row; for a request whose only controls are a logit bias and sampling, its
 (tritonllm/engine/row_controls.py). Streaming, stop words, end id,
 cancellation and finish reasons are the portable engine's (tritonllm/engine/portable.py).
 
-LoRA adapters (GGUF files the build converted, tritonllm/engine/lora_gguf.py) are loaded once. llama.cpp applies
-adapters to a whole context, not to a sequence, so a step is one `llama_decode` per adapter its requests use, the
-base model's included, each with that adapter set: requests of different adapters generate together, a decode
-each (docs/lora.md measures what that costs). Kept cells are shared only with a prompt of the same adapter: they
-were computed with it.
+LoRA adapters (GGUF files, tritonllm/engine/lora_gguf.py) are loaded at start, or while serving between two steps
+(tritonllm/engine/llamacpp_lora.py). llama.cpp applies adapters to a whole context, not to a sequence, so a step is
+one `llama_decode` per adapter its requests use, the base model's included, each with that adapter set: requests of
+different adapters generate together, a decode each (docs/lora.md measures what that costs). Kept cells are shared
+only with a prompt of the same adapter: they were computed with it.
 
 `llama_decode` runs without the interpreter lock (ctypes releases it), so the engine model's sender thread sends
 responses while a step computes.
@@ -55,6 +55,7 @@ from tritonllm.engine.checks import check_submit
 from tritonllm.engine.cpu_threads import start_yielding
 from tritonllm.engine.kv_events import PrefixBlocks, ZmqPublisher
 from tritonllm.engine.lifecycle import Lifecycle
+from tritonllm.engine.llamacpp_lora import LlamaLoras
 from tritonllm.engine.row_draw import draw_request
 from tritonllm.errors import EngineFailure, InputError, TritonLLMError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, KV_EVENT_BLOCK_TOKENS
@@ -224,11 +225,9 @@ class LlamaCppEngine(BlockingGenerate):
         self._stopping = threading.Event()
         self._steps = 0  # finished, for the health probe
         self._stopped: str | None = None  # why the engine takes no more requests (_fail_all)
-        self._adapters = AdapterTable()  # those requests may name
-        self._loras: dict[str, object] = {}  # name -> llama_adapter_lora pointer
-        self._active = BASE  # the adapter set on the context
+        self._loras = LlamaLoras(llama, self._model, self._ctx, self._lock)
         for adapter in config.lora_adapters:
-            self.load_adapter(Adapter(**adapter))
+            self._loras.load_now(Adapter(**adapter))
         self._loop_thread = threading.Thread(target=self._loop, name="llamacpp-engine", daemon=True)
         # The step thread and llama.cpp's CPU threads, which it starts, yield the cores to the stream's other steps.
         start_yielding(self._loop_thread.start, config.cpu_niceness)
@@ -253,7 +252,6 @@ class LlamaCppEngine(BlockingGenerate):
             )
         if reserved > self.cache_tokens:
             raise EngineFailure(f"a request of {reserved} tokens does not fit the KV cache of {self.cache_tokens}")
-        self._check_adapter(request.adapter)
         controls = self._controls(request, request_id)
         sequence = _Sequence(request_id, controls, list(request.input_ids), reserved, request=request, emit=emit)
         sequence.adapter = request.adapter
@@ -264,6 +262,10 @@ class LlamaCppEngine(BlockingGenerate):
                 if request.guide is not None:  # its matcher, started in _controls, follows nothing
                     self._guides.release(request_id)
                 raise EngineFailure(f"{self._stopped} (see the server log)")
+            if request.adapter != BASE and request.adapter not in self._loras.table.by_name:  # unloaded meanwhile
+                if request.guide is not None:
+                    self._guides.release(request_id)
+                raise InputError("lora_name", f"no adapter named `{request.adapter}` is loaded")
             self._sequences[request_id] = sequence
             self._waiting.append(sequence)
         self._work.set()
@@ -327,32 +329,32 @@ class LlamaCppEngine(BlockingGenerate):
 
     @property
     def adapters(self) -> AdapterTable:
-        return self._adapters
+        return self._loras.table
 
-    def load_adapter(self, adapter: Adapter) -> None:
-        """Loads a GGUF LoRA (at start) for requests to name; InputError when its name or task id is taken."""
-        pointer = self._llama.llama_adapter_lora_init(self._model, adapter.path.encode())
-        if not pointer:
-            raise EngineFailure(f"llama.cpp could not load the LoRA adapter {adapter.path} for this model")
-        self._adapters.add(adapter)
-        self._loras[adapter.name] = pointer
+    def add_adapter(self, adapter: Adapter, timeout: float) -> None:
+        """Loads a GGUF LoRA while serving, between two steps; returns once requests may name it."""
+        with self._lock:
+            if self._stopped is not None:
+                raise EngineFailure(f"{self._stopped} (see the server log)")
+            done = self._loras.load(adapter)
+        self._work.set()
+        done.result(timeout)
 
-    def _check_adapter(self, name: str) -> None:
-        if name != BASE and name not in self._adapters.by_name:
-            raise InputError("lora_name", f"no adapter named `{name}` is loaded")
+    def remove_adapter(self, name: str, timeout: float) -> None:
+        """Refuses new requests for `name` at once; returns once the requests using it finished and it is freed."""
+        with self._lock:
+            if self._stopped is not None:
+                raise EngineFailure(f"{self._stopped} (see the server log)")
+            done = self._loras.unload(name)
+        self._work.set()
+        done.result(timeout)
 
-    def _use_adapter(self, name: str) -> None:
-        if name == self._active:
-            return
-        llama = self._llama
-        if name == BASE:
-            code = llama.llama_set_adapters_lora(self._ctx, None, 0, None)
-        else:
-            adapters = (llama.llama_adapter_lora_p_ctypes * 1)(self._loras[name])
-            code = llama.llama_set_adapters_lora(self._ctx, adapters, 1, (ctypes.c_float * 1)(1.0))
-        if code != 0:
-            raise EngineFailure(f"llama_set_adapters_lora returned {code} for adapter `{name or 'base'}`")
-        self._active = name
+    def _adapters_in_use(self) -> set[str]:
+        return {s.adapter for s in self._sequences.values()} | {s.adapter for s in self._running}
+
+    def _forget_adapter(self, name: str) -> None:
+        for seq_id in [k for k, adapter in self._kept_adapter.items() if adapter == name]:
+            self._forget(seq_id)
 
     # ------------------------------------------------------------------ the step loop
 
@@ -360,6 +362,8 @@ class LlamaCppEngine(BlockingGenerate):
         try:
             while not self._stopping.is_set():
                 self._admit()
+                if self._loras.pending():
+                    self._loras.sweep(self._adapters_in_use, self._forget_adapter)
                 if not self._running:
                     self._work.wait(0.1)
                     self._work.clear()
@@ -473,7 +477,7 @@ class LlamaCppEngine(BlockingGenerate):
             groups.setdefault(sequence.adapter, []).append((sequence, chunk))
         # The adapter set on the context goes first, so a step of G adapters sets G - 1 of them (each set makes
         # llama.cpp reserve its compute graph again at the next decode; cheap beside the decode: docs/performance.md).
-        for adapter in sorted(groups, key=lambda name: name != self._active):
+        for adapter in sorted(groups, key=lambda name: name != self._loras.active):
             self._decode(adapter, groups[adapter])
 
     def _decode(self, adapter: str, chunks: list[tuple[_Sequence, list[int]]]) -> None:
@@ -488,7 +492,7 @@ class LlamaCppEngine(BlockingGenerate):
             del sequence.pending[: len(chunk)]
             if last:
                 outputs.append(sequence)
-        self._use_adapter(adapter)
+        self._loras.use(adapter)
         code = self._llama.llama_decode(self._ctx, batch.struct)
         if code != 0:
             raise EngineFailure(f"llama_decode returned {code} for a step of {batch.size} tokens")
@@ -538,6 +542,7 @@ class LlamaCppEngine(BlockingGenerate):
             self._stopped = error
             for sequence in list(self._sequences.values()):
                 self._finish(sequence, FINISH_ERROR, error)
+        self._loras.fail_pending(error)
 
 
 def route_llama_log(llama) -> None:

@@ -34,6 +34,11 @@ class LoraError(ConfigError):
     """A --lora that cannot be served; the message names it and says why."""
 
 
+def converted_dir(model_dir: str | Path) -> Path:
+    """Where a model's converted adapters are written: beside the model's folder, by the build and the server."""
+    return Path(model_dir).parent / "lora"
+
+
 def parse_lora(spec: str) -> tuple[str, Path]:
     """`NAME=PATH` of --lora."""
     name, sep, path = spec.partition("=")

@@ -23,7 +23,7 @@ from pathlib import Path
 from tritonllm.launch.pytriton_wheel import ServerError, prepare_backends, pytriton_root, server_env
 from tritonllm.launch.server_command import ADMIN_KEY_FILE, CONTAINER_BINARY, admin_key, server_command
 from tritonllm.launch.tritonserver import probe_engine
-from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS
+from tritonllm.protocol import ADMIN_KEY_ENV, DECOUPLED_ENGINE_MODEL, PORTS
 from tritonllm.repository import builder
 from tritonllm.repository.plan import LLM_API
 from tritonllm.repository.render import stale_build
@@ -166,13 +166,16 @@ def launch_command(build_dir: Path, exit_timeout: int, in_image: bool = True) ->
     if wheel_server(manifest):
         binary = wheel_binary()
         backend_dir = prepare_backends(SERVER_WORK_DIR) if in_image else SERVER_WORK_DIR / "backends"
+    key = admin_key("0.0.0.0", os.environ.get(ADMIN_KEY_ENV), "launch", build_dir / ADMIN_KEY_FILE)
+    if key:  # the engine model's adapter administration checks the key the administrative APIs check
+        os.environ[ADMIN_KEY_ENV] = key
     return server_command(
         binary,
         build_dir / "model_repository",
         address="0.0.0.0",
         ports=PORTS,
         build_options=manifest.get("server_options", []),
-        admin_key=admin_key("0.0.0.0", os.environ.get("TRITONLLM_ADMIN_KEY"), "launch", build_dir / ADMIN_KEY_FILE),
+        admin_key=key,
         exit_timeout=exit_timeout,
         backend_dir=backend_dir,
         world_size=world_size,

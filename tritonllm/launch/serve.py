@@ -13,6 +13,7 @@ from pathlib import Path
 from tritonllm.launch.pytriton_wheel import ServerError
 from tritonllm.launch.server_command import ADMIN_KEY_FILE, add_address_options, admin_key
 from tritonllm.launch.tritonserver import OpenAIFrontend, TritonServer, probe_engine
+from tritonllm.protocol import ADMIN_KEY_ENV
 from tritonllm.repository.render import stale_build
 
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for the models to load")
     parser.add_argument(
         "--admin-key",
-        default=os.environ.get("TRITONLLM_ADMIN_KEY"),
+        default=os.environ.get(ADMIN_KEY_ENV),
         help="restrict the model-repository, shared-memory, logging and trace APIs to requests with header "
         "tritonllm-admin-key: KEY (default: $TRITONLLM_ADMIN_KEY; when --host is not loopback, a random key, "
         f"written to {ADMIN_KEY_FILE} beside the repository, readable by this user only)",
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             model_name=args.model_name,
             workers=args.openai_workers,
             repository=str(repository),
+            admin_key=args.admin_key,
         )
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)

@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, PORTS, is_loopback
+from tritonllm.protocol import ADMIN_HEADER, DECOUPLED_ENGINE_MODEL, PORTS, is_loopback
 
 # In NVIDIA's images; there the server listens on the default ports (PORTS), which `docker run` publishes.
 CONTAINER_BINARY = "/opt/tritonserver/bin/tritonserver"
@@ -80,7 +80,6 @@ def server_command(
 
 
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
-ADMIN_HEADER = "tritonllm-admin-key"
 ADMIN_KEY_FILE = "admin-key"  # where a generated key is written: beside the build's model repository
 
 

@@ -16,7 +16,14 @@ from pathlib import Path
 from tritonllm.launch.pytriton_wheel import ServerError, prepare_backends, pytriton_root, server_env
 from tritonllm.launch.server_command import build_options, server_command
 from tritonllm.openai.settings import Settings
-from tritonllm.protocol import ENGINE_MODEL, HEALTH_PROBE_ID, infer_inputs, port_in_use, stop_request_tensors
+from tritonllm.protocol import (
+    ADMIN_KEY_ENV,
+    ENGINE_MODEL,
+    HEALTH_PROBE_ID,
+    infer_inputs,
+    port_in_use,
+    stop_request_tensors,
+)
 
 
 def metric_samples(text: str, prefix: str = "tritonllm_") -> dict[str, float]:
@@ -85,9 +92,13 @@ class TritonServer:
                 )
         output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
         self._output = output
+        env = server_env()
+        env.pop(ADMIN_KEY_ENV, None)  # the engine model checks the key Triton's administrative APIs check, or none
+        if self.admin_key:
+            env[ADMIN_KEY_ENV] = self.admin_key
         self.process = subprocess.Popen(
             self.command(),
-            env=server_env(),
+            env=env,
             stdout=output,
             stderr=subprocess.STDOUT if output else None,
             start_new_session=True,
@@ -212,6 +223,8 @@ class OpenAIFrontend:
     repository: str = ""  # the built repository: the direct path to the engine model (portable flavor)
     trtllm: bool = False  # a TensorRT-LLM engine: requests carry none of the portable engine's additions
     adapters: tuple[str, ...] = ()  # the build's LoRA adapters' names, each a model clients may name
+    lora_admin: bool = False  # the build loads adapters while serving (--lora-dir)
+    admin_key: str | None = None  # what loading and unloading them needs (the server's admin key)
 
     process: subprocess.Popen | None = None
 
@@ -231,6 +244,7 @@ class OpenAIFrontend:
             repository=settings.repository,
             trtllm=not settings.engine_additions,
             adapters=settings.adapters,
+            lora_admin=settings.lora_admin,
             **options,
         )
 
@@ -276,7 +290,12 @@ class OpenAIFrontend:
             command.append("--trtllm")
         for adapter in self.adapters:
             command += ["--adapter", adapter]
+        if self.lora_admin:
+            command.append("--lora-admin")
         env = dict(os.environ, TRITONLLM_API_KEY=self.api_key or "")
+        env.pop(ADMIN_KEY_ENV, None)
+        if self.admin_key:
+            env[ADMIN_KEY_ENV] = self.admin_key
         output = open(self.log_file, "w") if self.log_file else None  # noqa: SIM115 (closed in stop)
         self._output = output
         self.process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None)

@@ -37,10 +37,10 @@ from tritonllm.errors import ErrorKind
 from tritonllm.openai import routes
 from tritonllm.openai.chat_models import ChatRequest
 from tritonllm.openai.generation import Generator
-from tritonllm.openai.models import APIError, CompletionRequest
+from tritonllm.openai.models import APIError, CompletionRequest, LoadLoraAdapter, UnloadLoraAdapter
 from tritonllm.openai.settings import Settings
 from tritonllm.openai.workers import default_workers, port_free, supervise_workers
-from tritonllm.protocol import OPENAI_PORT, PORTS, is_loopback
+from tritonllm.protocol import ADMIN_HEADER, ADMIN_KEY_ENV, OPENAI_PORT, PORTS, is_loopback
 
 
 def bearer_credentials(authorization: bytes) -> bytes | None:
@@ -161,12 +161,27 @@ def create_app(settings: Settings, generator: Generator | None = None) -> FastAP
 
     @app.get("/v1/models")
     async def list_models() -> dict:
+        await generator.adapters.refresh(generator.client)
         return {"object": "list", "data": routes.model_cards(generator)}
 
     @app.get("/v1/models/{name}")
     async def get_model(name: str) -> dict:
-        routes.check_model(generator, name)
+        await routes.check_model(generator, name)
         return next(card for card in routes.model_cards(generator) if card["id"] == name)
+
+    # vLLM's routes and bodies for adapters while serving (tritonllm/openai/lora_admin.py); they answer with the
+    # models served once the change is made: after an unload, once the requests using the adapter have finished.
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapter, request: Request) -> dict:
+        admin_key = request.headers.get(ADMIN_HEADER)
+        await generator.adapters.change(generator.client, "load", body.lora_name, body.lora_path, admin_key)
+        return {"object": "list", "data": routes.model_cards(generator)}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapter, request: Request) -> dict:
+        admin_key = request.headers.get(ADMIN_HEADER)
+        await generator.adapters.change(generator.client, "unload", body.lora_name, "", admin_key)
+        return {"object": "list", "data": routes.model_cards(generator)}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -244,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         "as a model of that name; repeat for more",
     )
     parser.add_argument(
+        "--lora-admin",
+        action="store_true",
+        help="without --manifest: the build loads and unloads adapters while serving (--lora-dir): the engine model "
+        "lists them, and /v1/load_lora_adapter and /v1/unload_lora_adapter change them (key: $TRITONLLM_ADMIN_KEY)",
+    )
+    parser.add_argument(
         "--repository",
         default="",
         help="the built model repository: each choice streams from the engine model, its text made here (with "
@@ -274,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             args.repository or str(args.manifest.parent / "model_repository"),
             model_name=args.model_name,
             api_key=args.api_key or None,
+            admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
         )
     elif not (args.tokenizer_dir and args.max_input_len and args.max_seq_len):
         parser.error("give --manifest, or --tokenizer-dir with --max-input-len and --max-seq-len")
@@ -290,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer_class=args.tokenizer_class,
             repository=args.repository,
             adapters=tuple(args.adapter),
+            lora_admin=args.lora_admin,
+            admin_key=os.environ.get(ADMIN_KEY_ENV) or None,
         )
     if not settings.api_key and not is_loopback(args.host):
         print(open_layer_warning(args.host, args.port), file=sys.stderr, flush=True)

@@ -23,6 +23,7 @@ from tritonllm.errors import ErrorKind
 from tritonllm.openai.engine_stream import EngineStreams
 from tritonllm.openai.errors import triton_error
 from tritonllm.openai.logprobs import TokenTexts
+from tritonllm.openai.lora_admin import ServedAdapters
 from tritonllm.openai.models import (
     FINISH_REASONS,
     USAGE_PERF_OUTPUT,
@@ -68,6 +69,7 @@ class Generator:
         self.vocab_size = len(tokenizer)
         self.token_texts = TokenTexts(tokenizer)
         self._client: grpcaio.InferenceServerClient | None = None
+        self.adapters = ServedAdapters(settings, self.direct.engine_model if self.direct is not None else None)
 
     @property
     def client(self) -> grpcaio.InferenceServerClient:
@@ -147,7 +149,7 @@ class Generator:
             prompt.text,
             prompt.max_tokens,
             **body.inputs(index, self.vocab_size, self.settings.engine_additions),
-            lora_name=self.settings.adapter_of(body.model) or None,  # the routes checked it
+            lora_name=self.adapters.of(body.model) or None,  # the routes checked it
         )
         if self.direct is not None:
             pipeline = self.direct.request({name: value for name, value, _ in tensors}, prompt.ids)

@@ -342,6 +342,18 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
+class UnloadLoraAdapter(Body):
+    """vLLM's body for /v1/unload_lora_adapter."""
+
+    lora_name: str = Field(min_length=1, max_length=64)
+
+
+class LoadLoraAdapter(UnloadLoraAdapter):
+    """vLLM's body for /v1/load_lora_adapter: `lora_path` inside the build's --lora-dir."""
+
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
 @dataclass
 class Generation:
     """One choice: its text (whole, or streamed as deltas), the tokens that came with it and their log

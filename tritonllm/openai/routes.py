@@ -31,12 +31,12 @@ def model_cards(generator: Generator) -> list[dict]:
     base = generator.settings.model_name
     return [
         {"id": name, "object": "model", "created": CREATED, "owned_by": "tritonllm", "parent": parent}
-        for name, parent in [(base, None), *((adapter, base) for adapter in generator.settings.adapters)]
+        for name, parent in [(base, None), *((adapter, base) for adapter in generator.adapters.names)]
     ]
 
 
-def check_model(generator: Generator, name: str) -> None:
-    if generator.settings.adapter_of(name) is None:
+async def check_model(generator: Generator, name: str) -> None:
+    if await generator.adapters.check(generator.client, name) is None:
         served = ", ".join(f"`{card['id']}`" for card in model_cards(generator))
         raise APIError(
             ErrorKind.NOT_FOUND,
@@ -79,7 +79,7 @@ def check_min_tokens(body: SamplingRequest, prompts: list[Prompt]) -> None:
 
 
 async def completions(generator: Generator, body: CompletionRequest):
-    check_model(generator, body.model)
+    await check_model(generator, body.model)
     body.check_supported(generator.vocab_size, generator.settings.engine_additions)
     prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
     if not prompts or not all(prompts):
@@ -212,7 +212,7 @@ def chat_budget(generator: Generator, body: ChatRequest) -> Prompt:
 
 
 async def chat_completions(generator: Generator, body: ChatRequest):
-    check_model(generator, body.model)
+    await check_model(generator, body.model)
     body.check_supported(generator.vocab_size, generator.settings.engine_additions)
     budget = await asyncio.to_thread(chat_budget, generator, body)  # the template and the tokenizer: off the loop
     check_min_tokens(body, [budget])

@@ -30,13 +30,9 @@ class Settings:
     # The built repository, for the direct path to the engine model (openai/engine_stream.py); empty: every choice
     # goes through tensorrt_llm_bls (the TensorRT-LLM flavor's engine model does not stream in its default deployment).
     repository: str = ""
-    adapters: tuple[str, ...] = ()  # the LoRA adapters' names, each a `model` of its own (vLLM's convention)
-
-    def adapter_of(self, model: str) -> str | None:
-        """The adapter a request's `model` names: "" for the base model, None for a model not served."""
-        if model == self.model_name:
-            return ""
-        return model if model in self.adapters else None
+    adapters: tuple[str, ...] = ()  # the build's LoRA adapters' names, each a `model` of its own (vLLM's convention)
+    lora_admin: bool = False  # adapters may be loaded and unloaded while serving (--lora-dir): lora_admin.py
+    admin_key: str | None = None  # what loading and unloading them needs, in header ADMIN_HEADER (None: open)
 
     @classmethod
     def from_manifest(cls, manifest: dict, grpc_url: str, repository: str = "", **others) -> Settings:
@@ -44,6 +40,7 @@ class Settings:
         for the layer and its launchers; `repository`: the built one, unused by the TensorRT-LLM flavor."""
         trtllm = manifest.get("engine") == "trtllm"
         others["model_name"] = others.get("model_name") or Path(manifest["tokenizer_dir"]).name
+        engine = manifest.get("engine_config") or {}
         return cls(
             grpc_url,
             manifest["tokenizer_dir"],
@@ -53,6 +50,7 @@ class Settings:
             engine_additions=not trtllm,
             tokenizer_class=manifest.get("tokenizer_class", ""),
             repository="" if trtllm else repository,
-            adapters=tuple(a["name"] for a in (manifest.get("engine_config") or {}).get("lora_adapters", ())),
+            adapters=tuple(a["name"] for a in engine.get("lora_adapters", ())),
+            lora_admin=bool(engine.get("lora_dir")),
             **others,
         )

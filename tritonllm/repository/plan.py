@@ -14,7 +14,7 @@ from pathlib import Path
 from tritonllm.engine.adapters import AdapterTable
 from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, EngineConfig, check_engine_instances
 from tritonllm.engine.llmapi_config import KV_CACHE_DTYPES, LLM_API_CONFIG_FILE, LlmApiConfig
-from tritonllm.engine.lora_gguf import convert_peft, parse_lora
+from tritonllm.engine.lora_gguf import convert_peft, converted_dir, parse_lora
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError, InputError
 from tritonllm.options import option_fields
@@ -205,6 +205,11 @@ def plan_portable(model_dir: Path, gguf: Path | None, args: argparse.Namespace) 
         config = dataclasses.replace(config, gguf_file=str(retype_gguf(gguf, config.dtype, model_dir.parent)))
     if args.lora:
         config = dataclasses.replace(config, lora_adapters=lora_adapters(args.lora, config, model_dir))
+    if config.lora_dir:
+        folder = Path(config.lora_dir).expanduser().resolve()
+        if not folder.is_dir():
+            raise BuildError(f"--lora-dir {config.lora_dir}: no such folder (the adapters to load while serving)")
+        config = dataclasses.replace(config, lora_dir=str(folder))
     # llama.cpp keeps its KV cache in float16.
     kv_dtype = "float16" if config.impl == LLAMACPP else config.dtype
     budget = int(args.kv_cache_gib * 2**30) // kv_bytes_per_token(text_config, kv_dtype)
@@ -239,7 +244,7 @@ def lora_adapters(specs: list[str], config: EngineConfig, model_dir: Path) -> li
         name, folder = parse_lora(spec)
         if name == model_dir.name:
             raise BuildError(f"--lora {spec}: `{name}` is the base model's name")
-        adapter = convert_peft(name, folder, Path(config.gguf_file), model_dir.parent / "lora")
+        adapter = convert_peft(name, folder, Path(config.gguf_file), converted_dir(model_dir))
         try:
             table.add(dataclasses.replace(adapter, task_id=task_id))
         except InputError as exc:

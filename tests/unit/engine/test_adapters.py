@@ -3,13 +3,15 @@ adapted tokens against PEFT's on a random adapter (its q and k rows permuted as 
 
 import dataclasses
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.polling import eventually
 from tests.unit.engine.conftest import chat_ids, submitted
-from tritonllm.engine.adapters import BASE, Adapter, AdapterTable
+from tritonllm.engine.adapters import BASE, Adapter, AdapterTable, confined
 from tritonllm.engine.api import LLAMACPP, EngineConfig, GenerationRequest
 from tritonllm.engine.lora_gguf import LoraError, convert_peft, parse_lora, peft_config
 from tritonllm.errors import InputError
@@ -108,8 +110,58 @@ def test_llama_cpp_with_a_converted_adapter_generates_peft_s_tokens(manifest, to
         assert [[t for e in emissions for t in e.token_ids] for _, emissions in together] == [adapted, plain, adapted]
         with pytest.raises(InputError, match="lora_name"):
             engine.submit(GenerationRequest(ids, 4, adapter="apple"), lambda emission: None)
+        check_loading_while_serving(engine, adapter, ids, adapted)
     finally:
         engine.shutdown()
+
+
+def check_loading_while_serving(engine, adapter: Adapter, ids: list[int], adapted: list[int]) -> None:
+    """The same file loaded again under another name while serving answers the same; unloaded while a request of
+    it runs, that request finishes as it would have, new ones are refused at once, and its kept cells go."""
+    engine.add_adapter(Adapter("late", 2, adapter.path), timeout=60)
+    assert engine.adapters.choose(None, 2) == "late"
+    late, _ = engine.generate(GenerationRequest(ids, 16, adapter="late"), timeout=120)
+    assert late == adapted
+    with pytest.raises(InputError, match="loaded already"):
+        engine.add_adapter(Adapter("late", 3, adapter.path), timeout=60)
+    running, emissions = submitted(engine, GenerationRequest(ids, 48, adapter="late"))
+    unloading = ThreadPoolExecutor(1).submit(engine.remove_adapter, "late", 120)
+    assert eventually(lambda: "late" not in engine.adapters.by_name, timeout=10)
+    with pytest.raises(InputError, match="no adapter named `late`"):
+        engine.submit(GenerationRequest(ids, 4, adapter="late"), lambda emission: None)
+    unloading.result(timeout=120)
+    assert running.is_set()  # the unload waited for it
+    final = emissions[-1]
+    assert final.finish_reason == "length" and not final.error
+    assert [t for e in emissions for t in e.token_ids][:16] == adapted
+    assert "late" not in engine._kept_adapter.values()
+    with pytest.raises(InputError, match="lora_name"):
+        engine.remove_adapter("late", timeout=10)
+
+
+def test_a_path_is_confined_to_the_adapter_folder(tmp_path):
+    folder = tmp_path / "adapters"
+    (folder / "sql").mkdir(parents=True)
+    (tmp_path / "secret").mkdir()
+    (folder / "out").symlink_to(tmp_path / "secret")
+    assert confined("sql", str(folder)) == (folder / "sql").resolve()
+    assert confined(str(folder / "sql"), str(folder)) == (folder / "sql").resolve()
+    for outside in ("../secret", "out", str(tmp_path / "secret"), "", ".", "sql/../.."):
+        with pytest.raises(InputError, match=r"lora_path: .* is not inside"):
+            confined(outside, str(folder))
+    with pytest.raises(InputError, match="does not exist"):
+        confined("chat", str(folder))
+
+
+def test_the_table_gives_the_next_task_id_and_forgets_a_removed_adapter():
+    table = AdapterTable([Adapter("banana", 1, "b.gguf"), Adapter("cherry", 5, "c.gguf")])
+    assert table.next_task_id() == 6
+    table.remove("cherry")
+    assert table.cards() == [{"name": "banana", "task_id": 1}] and table.next_task_id() == 2
+    with pytest.raises(InputError, match="lora_name: no adapter named `cherry`"):
+        table.choose("cherry", None)
+    with pytest.raises(InputError, match="lora_name"):
+        table.remove("cherry")
 
 
 def test_only_the_llama_cpp_engine_of_the_portable_flavor_takes_lora(manifest, capsys):

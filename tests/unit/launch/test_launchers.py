@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from tritonllm.launch import serve
-from tritonllm.launch.server_command import ADMIN_HEADER, ADMIN_KEY_FILE, admin_key
+from tritonllm.launch.server_command import ADMIN_KEY_FILE, admin_key
+from tritonllm.protocol import ADMIN_HEADER
 
 
 class StubServer:

@@ -22,12 +22,11 @@ from tritonllm import versions
 from tritonllm.launch import container, serve_trtllm
 from tritonllm.launch.serve_trtllm import load_build
 from tritonllm.launch.server_command import (
-    ADMIN_HEADER,
     CONTAINER_BINARY,
     RESTRICTED_APIS,
     server_command,
 )
-from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, ENGINE_MODEL, PORTS
+from tritonllm.protocol import ADMIN_HEADER, DECOUPLED_ENGINE_MODEL, ENGINE_MODEL, PORTS
 from tritonllm.repository.builder import main as builder_main
 from tritonllm.repository.plan import BuildError, plan_trtllm
 from tritonllm.repository.render import TEMPLATES, read_config, render_configs, templates_digest, write_repository
