@@ -13,9 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -197,10 +198,16 @@ def test_metrics_count_each_adapter_s_requests_and_tokens(lora_server, api):
     assert eventually(lambda: counters() == expected, timeout=10), (counters(), expected)
 
 
-def admin(api, action: str, body: dict, key: str | None = ADMIN_KEY) -> httpx.Response:
-    """vLLM's adapter routes on the OpenAI layer."""
+def admin(api, action: str, body: dict, key: str | None = ADMIN_KEY) -> tuple[int, str]:
+    """vLLM's adapter routes on the OpenAI layer: the status and the body."""
     headers = {ADMIN_HEADER: key} if key is not None else {}
-    return httpx.post(f"{api.base_url}{action}_lora_adapter", json=body, headers=headers, timeout=300)
+    url = f"{api.base_url}{action}_lora_adapter"
+    request = urllib.request.Request(url, json.dumps(body).encode(), {**headers, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
 
 
 def test_an_adapter_loads_and_unloads_while_serving_with_no_request_lost(api, lora_server):
@@ -211,8 +218,10 @@ def test_an_adapter_loads_and_unloads_while_serving_with_no_request_lost(api, lo
     question = [{"role": "user", "content": QUESTIONS[0]}]
     stop = threading.Event()
 
-    def stream(model: str, max_tokens: int = 24) -> tuple[str, str | None]:
-        chunks = api.chat.completions.create(model=model, messages=question, max_tokens=max_tokens, stream=True)
+    def stream(model: str, max_tokens: int = 24, **extra) -> tuple[str, str | None]:
+        chunks = api.chat.completions.create(
+            model=model, messages=question, max_tokens=max_tokens, stream=True, extra_body=extra
+        )
         text, reason = "", None
         for chunk in chunks:
             if chunk.choices:
@@ -228,20 +237,22 @@ def test_an_adapter_loads_and_unloads_while_serving_with_no_request_lost(api, lo
 
     with ThreadPoolExecutor(8) as pool:
         background = [pool.submit(keep_streaming, model) for model in (base, base, ADAPTER)]
-        loaded = admin(api, "load", {"lora_name": "late", "lora_path": ADAPTER})
-        assert loaded.status_code == 200, loaded.text
-        assert {card["id"]: card["parent"] for card in loaded.json()["data"]}["late"] == base
+        status, loaded = admin(api, "load", {"lora_name": "late", "lora_path": ADAPTER})
+        assert status == 200, loaded
+        assert {card["id"]: card["parent"] for card in json.loads(loaded)["data"]}["late"] == base
         for _ in range(4):  # each worker, by the kernel's spread of connections: every one knows `late`
             assert stream("late", MAX_TOKENS)[0] == ANSWER
-        late_streams = [pool.submit(stream, "late", 48) for _ in range(2)]
+        late_streams = [pool.submit(stream, "late", 160, ignore_eos=True) for _ in range(2)]  # past its answer
         time.sleep(1.0)  # under way
-        unloaded = admin(api, "unload", {"lora_name": "late"})
-        assert unloaded.status_code == 200, unloaded.text
-        assert "late" not in {card["id"] for card in unloaded.json()["data"]}
+        assert not any(future.done() for future in late_streams)
+        status, unloaded = admin(api, "unload", {"lora_name": "late"})
+        assert status == 200, unloaded
+        assert "late" not in {card["id"] for card in json.loads(unloaded)["data"]}
         assert all(future.done() for future in late_streams)  # the unload waited for them
         stop.set()
         answers = [a for future in background for a in future.result()] + [f.result() for f in late_streams]
     assert all(reason in ("stop", "length") for _, reason in answers), answers
+    assert [f.result()[1] for f in late_streams] == ["length", "length"]
     assert len(answers) > 5
     with pytest.raises(openai.NotFoundError, match="late"):
         api.chat.completions.create(model="late", messages=question, max_tokens=2)
@@ -265,7 +276,7 @@ def test_an_adapter_loads_and_unloads_while_serving_with_no_request_lost(api, lo
 )
 def test_adapter_routes_refuse_by_name(api, action, body, key, status, said):
     answer = admin(api, action, body, key)
-    assert answer.status_code == status and said in answer.text, answer.text
+    assert answer[0] == status and said in answer[1], answer
     assert {card.id for card in api.models.list().data} >= {ADAPTER}
 
 

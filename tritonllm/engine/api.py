@@ -257,8 +257,8 @@ class EngineConfig:
     kv_events: str = ""  # a ZeroMQ endpoint for the prefix cache's KV events: the server's KV_EVENTS_ENV, at load
     # The LoRA adapters (adapters.Adapter.as_json), converted at build time from --lora NAME=PATH.
     lora_adapters: list[dict] = dataclasses.field(default_factory=list)
-    lora_dir: str = option(
-        "",
+    lora_dir: str | None = option(
+        None,
         "a folder of LoRA adapters (PEFT folders, or GGUF LoRA files) that may be loaded and unloaded while serving "
         "(docs/lora.md), behind the admin key; none: adapters are only those of --lora",
         engine_only=LLAMACPP,

@@ -34,6 +34,7 @@ from tritonllm.protocol import (
     GENERATION_ERROR,
     KV_CACHE_OUTPUTS,
     PERF_OUTPUTS,
+    lora_admin_tensors,
 )
 from tritonllm.text.wire import Limits
 
@@ -164,8 +165,11 @@ def model(pb_utils):
     model._compiling = 0
     model._compiling_lock = threading.Lock()
     model._unloading = False
+    model._admin = engine_model.AdapterAdmin(model.engine)
+    model._administrators = ThreadPoolExecutor(1)
     yield model
     model._guided.shutdown()
+    model._administrators.shutdown()
 
 
 def request(pb_utils, *prompts: list[int], request_id: str = "", requested: list[str] | None = None, **extra):
@@ -482,6 +486,30 @@ def test_the_health_probe_of_an_idle_engine_generates_a_token(model, pb_utils):
     [(response, flags)] = probe.sender.sent
     assert flags == FINAL and "generated no token" in response.error().message()
     assert model.engine.cancels == ["e0"]
+
+
+def lora_action(model, pb_utils, action: str, **extra):
+    """A lora_action request's one response, once its administrator thread sent it."""
+    tensors = lora_admin_tensors(action, **extra)
+    admin = pb_utils.Request({name: value for name, value, _ in tensors})
+    model.execute([admin])
+    assert eventually(lambda: admin.sender.sent, timeout=10)
+    [(response, flags)] = admin.sender.sent
+    assert flags == FINAL
+    return response
+
+
+def test_lora_actions_list_and_refuse_changes_without_an_adapter_folder(model, pb_utils):
+    """`list` answers on any build (no adapters here, nothing generated); load and unload need --lora-dir, and an
+    unknown action is refused by name."""
+    listing = lora_action(model, pb_utils, "list")
+    assert json.loads(pb_utils.get_output_tensor_by_name(listing, "lora_adapters").as_numpy().reshape(-1)[0]) == []
+    for action, extra in (("load", {"name": "a", "path": "a"}), ("unload", {"name": "a"})):
+        error = lora_action(model, pb_utils, action, **extra).error()
+        assert error.code() == pb_utils.TritonError.INVALID_ARG and "--lora-dir" in error.message()
+    error = lora_action(model, pb_utils, "reload").error()
+    assert "lora_action: `reload` is not one of load, unload, list" in error.message()
+    assert model.engine.submitted == 0  # nothing was generated
 
 
 def test_a_stop_without_a_request_id_is_invalid_input(model, pb_utils):
