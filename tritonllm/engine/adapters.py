@@ -76,13 +76,18 @@ class AdapterTable:
         del self.by_task[adapter.task_id]
         return adapter
 
+    def loaded(self) -> list[Adapter]:
+        """The adapters, copied at once: the engine's table changes while serving (a load or an unload on another
+        thread), and a dict must not change while it is iterated."""
+        return list(self.by_name.values())
+
     def next_task_id(self) -> int:
         """The task id an adapter loaded without one gets: one more than the largest there is."""
-        return max(self.by_task, default=0) + 1
+        return max(list(self.by_task), default=0) + 1
 
     def cards(self) -> list[dict]:
         """The adapters as `lora_adapters` lists them: name and task id, in the order they were loaded."""
-        return [{"name": a.name, "task_id": a.task_id} for a in self.by_name.values()]
+        return [{"name": a.name, "task_id": a.task_id} for a in self.loaded()]
 
     def choose(self, name: str | None, task_id: int | None) -> str:
         """The adapter a request's `lora_name` and `lora_task_id` choose (BASE when neither is given, or the name is
@@ -111,4 +116,4 @@ class AdapterTable:
     def _listing(self) -> str:
         if not self.by_name:
             return " (this server has none)"
-        return " (this server has " + ", ".join(f"`{a.name}` = task {a.task_id}" for a in self.by_name.values()) + ")"
+        return " (this server has " + ", ".join(f"`{a.name}` = task {a.task_id}" for a in self.loaded()) + ")"

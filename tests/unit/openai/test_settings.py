@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tritonllm.launch.tritonserver import OpenAIFrontend
+from tritonllm.openai.lora_admin import ServedAdapters
 from tritonllm.openai.settings import Settings
 
 PORTABLE = {
@@ -54,15 +55,22 @@ def test_the_launcher_starts_the_layer_with_the_settings_the_layer_would_read(en
 
 
 @pytest.mark.parametrize(
-    ("engine_config", "adapters"),
-    [(None, ()), ({}, ()), ({"lora_adapters": [{"name": "sql", "task_id": 1, "path": "sql.gguf"}]}, ("sql",))],
-    ids=["trtllm-flavors", "no-adapters", "one-adapter"],
+    ("engine_config", "adapters", "lora_admin"),
+    [
+        (None, (), False),
+        ({}, (), False),
+        ({"lora_adapters": [{"name": "sql", "task_id": 1, "path": "sql.gguf"}]}, ("sql",), False),
+        ({"lora_adapters": [], "lora_dir": "/srv/adapters"}, (), True),
+    ],
+    ids=["trtllm-flavors", "no-adapters", "one-adapter", "adapter-folder"],
 )
-def test_the_build_s_adapters_are_models_of_their_own(engine_config, adapters):
-    """A TensorRT-LLM build records no engine_config (None); a portable one lists its LoRA adapters in it."""
+def test_the_build_s_adapters_are_models_of_their_own(engine_config, adapters, lora_admin):
+    """A TensorRT-LLM build records no engine_config (None); a portable one lists its LoRA adapters in it, and
+    whether adapters load while serving (--lora-dir)."""
     settings = Settings.from_manifest(dict(PORTABLE, engine_config=engine_config), "127.0.0.1:8001")
-    assert settings.adapters == adapters
+    assert (settings.adapters, settings.lora_admin) == (adapters, lora_admin)
     frontend = OpenAIFrontend.for_build("127.0.0.1:8001", dict(PORTABLE, engine_config=engine_config), 9000)
-    assert frontend.adapters == adapters
-    assert settings.adapter_of(settings.model_name) == "" and settings.adapter_of("unknown") is None
-    assert all(settings.adapter_of(name) == name for name in adapters)
+    assert (frontend.adapters, frontend.lora_admin) == (adapters, lora_admin)
+    served = ServedAdapters(settings, "tensorrt_llm_decoupled")
+    assert served.of(settings.model_name) == "" and served.of("unknown") is None
+    assert all(served.of(name) == name for name in adapters)
