@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from tritonllm.engine.adapters import BASE, Adapter, AdapterTable
 from tritonllm.engine.api import BlockingGenerate, Emission, GenerationRequest, TokenLogProbs
 from tritonllm.engine.checks import check_submit
 from tritonllm.engine.grammar_check import check_guide
@@ -61,6 +62,8 @@ class LlmApi:
     GuidedDecodingParams: Any  # tensorrt_llm.sampling_params.GuidedDecodingParams
     LogitsProcessor: Any  # tensorrt_llm.sampling_params.LogitsProcessor, an abstract base with __call__
     LogprobMode: Any = None  # tensorrt_llm.sampling_params.LogprobMode, on 1.4 only
+    LoraConfig: Any = None  # tensorrt_llm.lora_helper.LoraConfig, the LLM's lora_config
+    LoRARequest: Any = None  # tensorrt_llm.executor.request.LoRARequest, generate_async's lora_request
 
     @classmethod
     def load(cls) -> LlmApi:
@@ -79,6 +82,8 @@ class LlmApi:
             params.GuidedDecodingParams,
             params.LogitsProcessor,
             getattr(params, "LogprobMode", None),
+            importlib.import_module("tensorrt_llm.lora_helper").LoraConfig,
+            importlib.import_module("tensorrt_llm.executor.request").LoRARequest,
         )
 
 
@@ -91,8 +96,8 @@ class _Request:
 
 class LlmApiEngine(BlockingGenerate):
     def __init__(self, settings: dict, api: LlmApi | None = None) -> None:
-        """`settings`: the build's llm_api.json (LlmApiConfig.engine_settings): the release, its sampler, and the
-        LLM's arguments."""
+        """`settings`: the build's llm_api.json (LlmApiConfig.engine_settings): the release, its sampler, the
+        LoRA adapters (--lora), and the LLM's arguments."""
         release, llm_kwargs = settings["release"], settings["llm"]
         self.api = api or LlmApi.load()
         if self.api.version != LLM_API_RELEASES[release].trtllm:
@@ -111,6 +116,15 @@ class LlmApiEngine(BlockingGenerate):
         # module level, pickles: TensorRT-LLM pickles a request's logits processor to its worker processes.
         self.api.LogitsProcessor.register(TokenRules)
         self.max_batch_size = int(llm_kwargs.get("max_batch_size") or 1)
+        # The adapters requests choose by lora_name or lora_task_id (the engine model's rule, AdapterTable.choose),
+        # each a PEFT folder TensorRT-LLM loads itself; fixed at build time (no lora_action load or unload here).
+        self._adapters = AdapterTable(
+            Adapter(a["name"], int(a["task_id"]), a["path"], a["path"]) for a in settings.get("lora_adapters", ())
+        )
+        if llm_kwargs.get("lora_config") is not None:
+            if self.api.LoraConfig is None:
+                raise ConfigError(f"tensorrt_llm {self.api.version} has no lora_helper.LoraConfig")
+            llm_kwargs = {**llm_kwargs, "lora_config": self.api.LoraConfig(**llm_kwargs["lora_config"])}
         self.llm = self.api.LLM(**llm_kwargs)  # loads the checkpoint; with tp/pp > 1, reaches every rank
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -125,19 +139,24 @@ class LlmApiEngine(BlockingGenerate):
 
     # ---------------------------------------------------------------- the engine interface
 
+    @property
+    def adapters(self) -> AdapterTable:
+        return self._adapters
+
     def submit(self, request: GenerationRequest, emit: Callable[[Emission], None]) -> str:
         check_submit(request, self.submit_rules)
         check_sampler(request, self.rules)
         if request.guide is not None:  # compiled in TensorRT-LLM's batch step, where a bad one fails late
             check_guide(request.guide.type, request.guide.text)
         params = self._sampling_params(request)
+        lora = self._lora_request(request.adapter)
         entry = _Request(Lifecycle(request=request, emit=emit))
         with self._lock:
             if self._closed or self._dead:
                 raise EngineFailure(f"the engine takes no requests: {self._dead or 'it is shutting down'}")
             engine_id = str(next(self._ids))
             self._requests[engine_id] = entry
-            future = asyncio.run_coroutine_threadsafe(self._run(engine_id, entry, params), self._loop)
+            future = asyncio.run_coroutine_threadsafe(self._run(engine_id, entry, params, lora), self._loop)
         future.add_done_callback(_log_failure)
         return engine_id
 
@@ -169,6 +188,14 @@ class LlmApiEngine(BlockingGenerate):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=SHUTDOWN_SECONDS)
 
+    def _lora_request(self, name: str):
+        """The release's LoRARequest for the adapter `name` (None for the base model); InputError naming lora_name
+        for an adapter this engine does not have."""
+        if name == BASE:
+            return None
+        adapter = self._adapters.by_name[self._adapters.choose(name, None)]
+        return self.api.LoRARequest(lora_name=adapter.name, lora_int_id=adapter.task_id, lora_path=adapter.path)
+
     def _sampling_params(self, request: GenerationRequest):
         kwargs = sampling_kwargs(request, self.rules)
         if self.rules.logprobs_mode and "logprobs" in kwargs:
@@ -193,7 +220,7 @@ class LlmApiEngine(BlockingGenerate):
                 _abort_quietly(entry.result)
             entry.life.finish(FINISH_ERROR, error=why)
 
-    async def _run(self, engine_id: str, entry: _Request, params) -> None:
+    async def _run(self, engine_id: str, entry: _Request, params, lora=None) -> None:
         life = entry.life
         try:
             if entry.cancelled:  # before it reached the LLM
@@ -201,9 +228,11 @@ class LlmApiEngine(BlockingGenerate):
                 return
             # Streamed from the LLM whenever tokens are checked as they come: stop words, or a streaming client.
             streaming = life.request.streaming or bool(life.request.stop_words)
+            # By keyword: lora_request is generate_async's third positional parameter; base requests send none.
+            adapter = {} if lora is None else {"lora_request": lora}
             try:
                 entry.result = self.llm.generate_async(
-                    {"prompt_token_ids": life.request.input_ids}, sampling_params=params, streaming=streaming
+                    {"prompt_token_ids": life.request.input_ids}, sampling_params=params, streaming=streaming, **adapter
                 )
             except RuntimeError as exc:
                 if "shutting down" in str(exc):  # the release's "LLM is shutting down": the health probe must see it

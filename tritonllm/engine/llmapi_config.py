@@ -9,7 +9,9 @@ config objects, so the file is what a reviewer checks against `tensorrt_llm/llma
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from tritonllm.errors import ConfigError
 from tritonllm.options import option
@@ -25,6 +27,67 @@ SAMPLERS = ("TRTLLMSampler", TORCH_SAMPLER, "auto")
 # The samplers each release runs, its default first (tests/standins/tensorrt_llm/surface.py has the sources): 1.4
 # removed the C++ sampler (TensorRT-LLM PRs #18232 and #18513; its sampling docs: TRTLLMSampler is refused).
 RELEASE_SAMPLERS = {"1.2.1": ("TRTLLMSampler", TORCH_SAMPLER), "1.4": (TORCH_SAMPLER,)}
+# A PEFT adapter's modules in TensorRT-LLM's LoRA module names: the inverse of the release's default mapping
+# (tensorrt_llm/lora_helper.py, get_default_trtllm_modules_to_hf_modules), dense layers only. With more than one
+# adapter folder the PyTorch executor reads no adapter's config for them: LoraConfig.lora_target_modules must name
+# them (tests/standins/tensorrt_llm/surface.py has the sources).
+TRTLLM_LORA_MODULES = {
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_dense",
+    "gate_proj": "mlp_h_to_4h",
+    "down_proj": "mlp_4h_to_h",
+    "up_proj": "mlp_gate",
+    "gate_up_proj": "mlp_gate_up",
+}
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+@dataclass(frozen=True)
+class LlmApiAdapter:
+    """A LoRA adapter of --lora NAME=PATH for the LLM API: a PEFT folder, which TensorRT-LLM loads itself."""
+
+    name: str
+    task_id: int  # NVIDIA's lora_task_id, and the LoRARequest's lora_int_id
+    path: str  # the PEFT folder (LoRARequest.lora_path, and one of LoraConfig.lora_dir)
+    rank: int  # the largest rank of its layers (PEFT's r, and rank_pattern's)
+    modules: tuple[str, ...]  # its target modules, in TensorRT-LLM's names
+
+    def as_json(self) -> dict:
+        """How llm_api.json lists it (the engine's AdapterTable is made from these)."""
+        return {"name": self.name, "task_id": self.task_id, "path": self.path}
+
+
+def llm_api_adapter(name: str, folder: Path, task_id: int) -> LlmApiAdapter:
+    """The adapter of `--lora name=folder`, read from its PEFT config; ConfigError naming it for what cannot be
+    passed to TensorRT-LLM's LoraConfig (no folder, no config or weights, target modules it has no name for)."""
+    spec = f"--lora {name}={folder}"
+    if not folder.is_dir():
+        raise ConfigError(f"{spec}: no such folder (a PEFT adapter folder, as PEFT writes it)")
+    config_file = folder / PEFT_CONFIG
+    if not config_file.is_file() or not any((folder / weights).is_file() for weights in PEFT_WEIGHTS):
+        raise ConfigError(f"{spec}: expected a PEFT adapter folder with {PEFT_CONFIG} and {PEFT_WEIGHTS[0]}")
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"{spec}: peft_type {config['peft_type']}; only LORA adapters are served")
+    targets = config.get("target_modules")
+    if not isinstance(targets, list) or not targets:
+        raise ConfigError(
+            f"{spec}: target_modules {targets!r}: a list of module names is needed (LoraConfig.lora_target_modules)"
+        )
+    unknown = sorted(set(targets) - TRTLLM_LORA_MODULES.keys())
+    if unknown:
+        raise ConfigError(
+            f"{spec}: target module {unknown[0]} has no TensorRT-LLM LoRA module name; it takes "
+            f"{', '.join(TRTLLM_LORA_MODULES)}"
+        )
+    ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+    if not all(isinstance(rank, int) and rank > 0 for rank in ranks):
+        raise ConfigError(f"{spec}: r (and rank_pattern) must be positive integers, got {ranks}")
+    modules = tuple(sorted({TRTLLM_LORA_MODULES[target] for target in targets}))
+    return LlmApiAdapter(name, task_id, str(folder.resolve()), max(ranks), modules)
 
 
 @dataclass(frozen=True)
@@ -62,6 +125,7 @@ class LlmApiConfig:
         "auto: TensorRT-LLM's choice, TorchSampler",
         choices=SAMPLERS,
     )
+    lora_adapters: tuple[LlmApiAdapter, ...] = ()  # --lora NAME=PATH, task ids 1, 2, ... in order
     llm_api_cuda_graphs: bool = option(
         True,
         "LLM API flavor: run decoding steps of up to --max-batch-size requests as CUDA graphs "
@@ -97,7 +161,24 @@ class LlmApiConfig:
     def engine_settings(self) -> dict:
         """llm_api.json: the release and sampler the engine maps requests for (tritonllm/engine/llmapi_params.py),
         and `tensorrt_llm.LLM`'s keyword arguments."""
-        return {"release": self.llm_api_release, "sampler": self.sampler, "llm": self.llm_kwargs()}
+        settings = {"release": self.llm_api_release, "sampler": self.sampler, "llm": self.llm_kwargs()}
+        if self.lora_adapters:
+            settings["lora_adapters"] = [adapter.as_json() for adapter in self.lora_adapters]
+        return settings
+
+    def lora_config(self) -> dict | None:
+        """`tensorrt_llm.lora_helper.LoraConfig`'s arguments for the adapters (the engine makes the object: the LLM's
+        argument model takes a LoraConfig): every folder, the union of their modules, the largest rank, and room
+        for all of them on the GPU and the host."""
+        if not self.lora_adapters:
+            return None
+        return {
+            "lora_dir": [adapter.path for adapter in self.lora_adapters],
+            "lora_target_modules": sorted({m for adapter in self.lora_adapters for m in adapter.modules}),
+            "max_lora_rank": max(adapter.rank for adapter in self.lora_adapters),
+            "max_loras": len(self.lora_adapters),
+            "max_cpu_loras": len(self.lora_adapters),
+        }
 
     def llm_kwargs(self) -> dict:
         """`tensorrt_llm.LLM(**kwargs)` for this configuration, as plain JSON values."""
@@ -123,4 +204,6 @@ class LlmApiConfig:
             "guided_decoding_backend": "xgrammar",
             # Per-request KV cache counts and times, which return_perf_metrics asks for.
             "return_perf_metrics": True,
+            # LoRA on the PyTorch backend: lora_config alone, as TensorRT-LLM's LoRA guide passes it (no enable_lora).
+            **({"lora_config": self.lora_config()} if self.lora_adapters else {}),
         }

@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="NAME=PATH",
         help="a LoRA adapter (a PEFT folder) requests choose by NAME (OpenAI `model`, `lora_name`) or by its task id "
-        "(`lora_task_id`: 1, 2, ... in the order given); repeat for more; llama.cpp engine (docs/lora.md)",
+        "(`lora_task_id`: 1, 2, ... in the order given); repeat for more; llama.cpp engine, and --engine "
+        "trtllm-llmapi (docs/lora.md)",
     )
     synthetic = parser.add_argument_group("synthetic benchmark engine (an instrument, not for serving)")
     add_options(synthetic, SyntheticConfig)
@@ -199,7 +200,8 @@ def flavor_options() -> dict[str, set[str]]:
         "portable": names(EngineConfig) | {"kv_cache_gib", "lora"},
         "synthetic": names(SyntheticConfig) | {"engine_process", "engine_instances"},
         "trtllm": names(TrtllmBuildOptions) | {fraction, "engine_dir", "engine_only"},
-        LLM_API: names(LlmApiConfig) | {"tp_size", "pp_size", "max_num_tokens", "kv_cache_quant", "quant", fraction},
+        LLM_API: names(LlmApiConfig)
+        | {"tp_size", "pp_size", "max_num_tokens", "kv_cache_quant", "quant", fraction, "lora"},
     }
 
 

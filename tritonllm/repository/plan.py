@@ -11,9 +11,9 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tritonllm.engine.adapters import AdapterTable
+from tritonllm.engine.adapters import Adapter, AdapterTable
 from tritonllm.engine.api import GGUF_AS_IS, LLAMACPP, EngineConfig, check_engine_instances
-from tritonllm.engine.llmapi_config import KV_CACHE_DTYPES, LLM_API_CONFIG_FILE, LlmApiConfig
+from tritonllm.engine.llmapi_config import KV_CACHE_DTYPES, LLM_API_CONFIG_FILE, LlmApiConfig, llm_api_adapter
 from tritonllm.engine.lora_gguf import convert_peft, converted_dir, parse_lora
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError, InputError
@@ -378,6 +378,7 @@ def plan_llm_api(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         dtype=args.dtype,
         free_gpu_memory_fraction=args.kv_cache_free_gpu_mem_fraction,
         kv_cache_dtype=KV_CACHE_DTYPES[args.kv_cache_quant],
+        lora_adapters=llm_api_adapters(getattr(args, "lora", None) or [], model_dir),
         **{f.name: getattr(args, f.name) for f in option_fields(LlmApiConfig)},
     )
     try:
@@ -404,6 +405,25 @@ def plan_llm_api(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         },
         files={f"{ENGINE_FOLDER}/1/{LLM_API_CONFIG_FILE}": json.dumps(config.engine_settings(), indent=2) + "\n"},
     )
+
+
+def llm_api_adapters(specs: list[str], model_dir: Path) -> tuple:
+    """--lora NAME=PATH for the LLM API flavor: each PEFT folder as it is (TensorRT-LLM loads it), with task ids
+    1, 2, ... in order."""
+    table, adapters = AdapterTable(), []
+    for task_id, spec in enumerate(specs, start=1):
+        try:
+            name, folder = parse_lora(spec)
+            if name == model_dir.name:
+                raise BuildError(f"--lora {spec}: `{name}` is the base model's name")
+            adapter = llm_api_adapter(name, folder, task_id)
+            table.add(Adapter(adapter.name, adapter.task_id, adapter.path, adapter.path))
+        except InputError as exc:
+            raise BuildError(f"--lora {spec}: {exc}") from None
+        except ConfigError as exc:
+            raise BuildError(str(exc)) from None
+        adapters.append(adapter)
+    return tuple(adapters)
 
 
 def trtllm_options(args: argparse.Namespace):

@@ -7,7 +7,10 @@ are unset; presence and frequency after the temperature (the C++ sampler), befor
 all (1.2.1's TorchSampler), over the prompt's tokens too unless prompt_ignore_length leaves them out; logprobs=0 as
 none (1.2.1) or as the chosen token's alone (1.4). What the project never sends (stop and bad strings or ids, a dense
 embedding bias, beams, 1.4's raw log probabilities) is refused, so a test fails if it starts to; logits processors
-are refused too: llama.cpp's step takes none.
+are refused too: llama.cpp's step takes none. LoRA: the LLM takes a `lora_helper.LoraConfig` (its folders must exist;
+with more than one, lora_target_modules must name modules, as the PyTorch executor asserts), and a request an
+`executor.request.LoRARequest`, passed by keyword, only then; both are recorded (`lora_config`, `lora_requests`) for
+the tests to read, and the request runs on the base model: llama.cpp here has no adapter of the PEFT folder loaded.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from datetime import timedelta
 from pathlib import Path
 
 from tensorrt_llm import sampling_params as _params
+from tensorrt_llm.executor.request import LoRARequest
+from tensorrt_llm.lora_helper import LoraConfig
 from tensorrt_llm.sampling_params import GuidedDecodingParams, SamplingParams, _implies_greedy
 from tensorrt_llm.surface import (
     CUDA_GRAPH_CONFIG_FIELDS,
@@ -34,6 +39,7 @@ from tensorrt_llm.surface import (
     KV_CACHE_CONFIG_FIELDS,
     LLM_ARGS,
     LOGPROBS_ZERO_IS_NONE,
+    LORA_MODULES,
     RELEASE,
     SAMPLER_TYPES,
     TORCH_SAMPLER_PENALTIES,
@@ -196,6 +202,10 @@ class LLM:
         self._sampler = DEFAULT_SAMPLER if sampler == "auto" or RELEASE == "1.4" else sampler
         if not Path(model).is_dir():
             raise ValueError(f"model {model} is not a folder")
+        self.lora_config = kwargs.get("lora_config")
+        if self.lora_config is not None:
+            _check_lora(self.lora_config)
+        self.lora_requests: list[tuple[LoRARequest, bool]] = []  # each with whether it came by keyword
         from tritonllm.engine.llamacpp import LlamaCppEngine
 
         self.model, self.args = model, kwargs
@@ -209,11 +219,16 @@ class LLM:
         given = inspect.signature(LLM.generate_async).bind(self, *args, **kwargs)
         given.apply_defaults()
         named = given.arguments
-        return self._submit(named["inputs"], named["sampling_params"], named["lora_request"], named["streaming"])
-
-    def _submit(self, inputs, sampling_params, lora_request, streaming) -> RequestOutput:
+        lora_request = named["lora_request"]
         if lora_request is not None:
-            raise ValueError("lora_request: no LoRA is configured")  # as the release: only with lora_config
+            if self.lora_config is None:
+                raise ValueError("lora_request: no LoRA is configured")  # as the release: only with lora_config
+            if not isinstance(lora_request, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            self.lora_requests.append((lora_request, "lora_request" in kwargs))
+        return self._submit(named["inputs"], named["sampling_params"], named["streaming"])
+
+    def _submit(self, inputs, sampling_params, streaming) -> RequestOutput:
         # The release pickles a request, logits processor included, to its worker processes.
         params = pickle.loads(pickle.dumps(sampling_params or SamplingParams()))
         ids = inputs["prompt_token_ids"] if isinstance(inputs, dict) else inputs
@@ -289,6 +304,20 @@ class LLM:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+
+
+def _check_lora(config) -> None:
+    """What the release's argument model and PyTorch executor check of lora_config (surface.py, H and X)."""
+    if not isinstance(config, LoraConfig):
+        raise ValueError(f"lora_config must be a LoraConfig, got {type(config).__name__}")
+    for folder in config.lora_dir:
+        if not Path(folder).is_dir():
+            raise ValueError(f"lora_dir {folder} is not a folder")
+    if len(config.lora_dir) != 1 and not config.lora_target_modules:
+        raise AssertionError("Expecting at least one lora target module")
+    unknown = [m for m in config.lora_target_modules if m not in LORA_MODULES]
+    if unknown:
+        raise ValueError(f"lora_target_modules: {unknown[0]} is no LoRA module")
 
 
 def _check_fields(name: str, given: dict, fields: tuple[str, ...]) -> None:

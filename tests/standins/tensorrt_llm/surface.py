@@ -15,6 +15,18 @@ and sampling_params module pages) and the nearest main-branch copy before it, C1
 1f064c467a211b4168555ca06bb9b801c64eae20 (llmapi/llm_args.py, llmapi/llm.py, executor/result.py and
 executor/params/sampling.py, where sampling_params.py moved; line numbers of the last, approximate), with the
 TorchSampler modules of _torch/pyexecutor/sampler/ (P: penalties.py @ 0a0ceb0c3f403ef89ccbd8d5aabd4ee92298167d).
+LoRA (the same names in the copies read for both releases):
+- H: tensorrt_llm/lora_helper.py @ 037d4ba10931fbb9777d52fba06a9aef4b41acdd: `@dataclass class LoraConfig`; C1's
+  llm_args.py imports LoraConfig from tensorrt_llm.lora_helper (TensorRT-LLM's docs/source/features/lora.md
+  @ 050db34bb1eee1013388d225b9898b39edea6870 passes `LLM(model=..., lora_config=LoraConfig(lora_dir=[...],
+  max_lora_rank=..., max_loras=..., max_cpu_loras=...))` and `LoRARequest(name, id, path)` on the PyTorch backend);
+- Q: tensorrt_llm/executor/request.py, C1 and a copy with cache_salt_id (before 1.4's DEFAULT_REQUEST_PRIORITY):
+  `@dataclass(slots=True) class LoRARequest`; tensorrt_llm.executor exports it (C1's llmapi/__init__.py imports it
+  from there);
+- X: tensorrt_llm/_torch/pyexecutor/_util.py and py_executor_creator.py, several copies: with one lora_dir the
+  adapter's config is read (load_torch_lora / load_torch_hf_lora), with more `lora_target_modules` must name at least
+  one module ("Expecting at least one lora target module") and trtllm_modules_to_hf_modules defaults to H's
+  get_default_trtllm_modules_to_hf_modules.
 """
 
 import os
@@ -86,6 +98,20 @@ FINISH_REASONS = ("stop", "length", "timeout", "cancelled")  # R: CompletionOutp
 # R: `@dataclass(slots=True) class Logprob: logprob: float; rank: Optional[int] = None`;
 # TokenLogprobs = list[dict[int, Logprob]]. RequestPerfMetrics (bindings): kv_cache_metrics.num_reused_blocks.
 LOGPROB_FIELDS = ("logprob", "rank")
+# H: LoraConfig's fields, in order (lora_ckpt_source "hf" or "nemo", checked in __post_init__).
+LORA_CONFIG_FIELDS = (
+    "lora_dir", "lora_ckpt_source", "max_lora_rank", "lora_target_modules", "trtllm_modules_to_hf_modules",
+    "max_loras", "max_cpu_loras", "swap_gate_up_proj",
+)  # fmt: skip
+LORA_CHECKPOINT_SOURCES = ("hf", "nemo")
+# Q: LoRARequest's fields, in order; the copy before 1.4 refuses a lora_path that does not exist.
+LORA_REQUEST_FIELDS = ("lora_name", "lora_int_id", "lora_path", "lora_ckpt_source")
+LORA_PATH_MUST_EXIST = True
+# H: get_default_trtllm_modules_to_hf_modules' keys, the LoRA module names lora_target_modules takes.
+LORA_MODULES = (
+    "attn_q", "attn_k", "attn_v", "attn_dense", "mlp_h_to_4h", "mlp_4h_to_h", "mlp_gate", "mlp_gate_up",
+    "moe_h_to_4h", "moe_4h_to_h", "moe_gate", "moe_router",
+)  # fmt: skip
 
 # ------------------------------------------------------------------ where 1.4 differs
 
@@ -123,3 +149,4 @@ if RELEASE == "1.4":
     LOGPROBS_ZERO_IS_NONE = False
     TORCH_SAMPLER_PENALTIES = "before the temperature"
     LOGPROB_MODES = ("raw", "processed")
+    LORA_PATH_MUST_EXIST = False  # C1 request.py: LoRARequest checks lora_ckpt_source only

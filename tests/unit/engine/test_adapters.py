@@ -164,14 +164,15 @@ def test_the_table_gives_the_next_task_id_and_forgets_a_removed_adapter():
         table.remove("cherry")
 
 
-def test_only_the_llama_cpp_engine_of_the_portable_flavor_takes_lora(manifest, capsys):
+def test_lora_is_for_the_llama_cpp_engine_and_the_llm_api_flavor(manifest, capsys):
+    """The transformers engine and the TensorRT-LLM engine flavor refuse --lora by name (the C++ backend's own
+    lora_task_id, lora_weights and lora_config are declared for its clients instead)."""
     from tritonllm.repository.builder import parse_args
     from tritonllm.repository.plan import BuildError, lora_adapters
 
     transformers = EngineConfig(manifest["model_dir"], impl="transformers")
     with pytest.raises(BuildError, match=r"llama\.cpp engine"):
         lora_adapters(["a=/nowhere"], transformers, Path(manifest["model_dir"]))
-    for flavor in ("trtllm", "trtllm-llmapi"):
-        with pytest.raises(SystemExit):
-            parse_args(["--engine", flavor, "--lora", "a=/nowhere"])
-        assert "--lora is an option of --engine portable" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--engine", "trtllm", "--lora", "a=/nowhere"])
+    assert "--lora is an option of --engine portable" in capsys.readouterr().err

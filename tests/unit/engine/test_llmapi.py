@@ -11,6 +11,7 @@ import pickle
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -485,3 +486,94 @@ def test_every_finish_reason_of_the_release_is_mapped(standin):
     from tritonllm.engine.llmapi import LLM_FINISH
 
     assert set(LLM_FINISH) == set(FINISH_REASONS)
+
+
+# ------------------------------------------------------------------ LoRA adapters by name (--lora NAME=PATH)
+
+
+def peft_folder(folder, targets=("q_proj", "v_proj"), rank=8):
+    """A PEFT folder as the build reads it (the stand-in's llama.cpp model applies no adapter: the weights are not
+    read here)."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 16,
+        "target_modules": targets if isinstance(targets, str) else list(targets),
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    return folder
+
+
+def test_the_standin_has_the_recorded_lora_names(standin):
+    from tensorrt_llm import surface
+    from tensorrt_llm.executor import LoRARequest
+    from tensorrt_llm.lora_helper import LoraConfig
+
+    assert tuple(f.name for f in dataclasses.fields(LoraConfig)) == surface.LORA_CONFIG_FIELDS
+    assert tuple(f.name for f in dataclasses.fields(LoRARequest)) == surface.LORA_REQUEST_FIELDS
+
+
+@pytest.fixture(scope="module")
+def lora_engine(standin, manifest, release, tmp_path_factory):
+    from tritonllm.engine.llmapi import LlmApiEngine
+    from tritonllm.engine.llmapi_config import llm_api_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = (
+        llm_api_adapter("sql", peft_folder(root / "sql"), 1),
+        llm_api_adapter("chat", peft_folder(root / "chat", ("q_proj", "down_proj"), rank=16), 2),
+    )
+    config = LlmApiConfig(manifest["model_dir"], max_batch_size=8, llm_api_release=release, lora_adapters=adapters)
+    eng = LlmApiEngine(config.engine_settings())
+    yield eng
+    eng.shutdown()
+
+
+def test_the_llm_gets_a_lora_config_of_every_adapter(lora_engine, standin, release):
+    from tensorrt_llm.lora_helper import LoraConfig
+
+    config = lora_engine.llm.lora_config
+    assert isinstance(config, LoraConfig)  # made by the engine: llm_api.json holds its arguments as JSON
+    assert [Path(d).name for d in config.lora_dir] == ["sql", "chat"]
+    assert config.lora_target_modules == ["attn_q", "attn_v", "mlp_4h_to_h"]
+    assert (config.max_lora_rank, config.max_loras, config.max_cpu_loras) == (16, 2, 2)
+    assert "enable_lora" not in lora_engine.llm.args
+    assert lora_engine.adapters.cards() == [{"name": "sql", "task_id": 1}, {"name": "chat", "task_id": 2}]
+    assert lora_engine.adapters.choose(None, 2) == "chat" and lora_engine.adapters.choose("sql", 1) == "sql"
+
+
+def test_a_request_with_an_adapter_is_sent_its_lora_request_by_keyword(lora_engine, prompt):
+    lora_engine.llm.lora_requests.clear()
+    emissions = collect(lora_engine, GenerationRequest(prompt, 4, adapter="chat"))
+    assert emissions[-1].finish_reason == FINISH_LENGTH and len(emissions[-1].token_ids) == 4
+    ((lora, by_keyword),) = lora_engine.llm.lora_requests
+    assert by_keyword
+    assert (lora.lora_name, lora.lora_int_id, Path(lora.lora_path).name) == ("chat", 2, "chat")
+    collect(lora_engine, GenerationRequest(prompt, 2))  # the base model: no lora_request
+    assert len(lora_engine.llm.lora_requests) == 1
+
+
+def test_an_unknown_adapter_is_refused_by_name_and_none_is_loaded_while_serving(lora_engine, engine, prompt):
+    with pytest.raises(InputError, match="no adapter named `nope`") as refused:
+        lora_engine.submit(GenerationRequest(prompt, 2, adapter="nope"), lambda e: None)
+    assert refused.value.field == "lora_name"
+    with pytest.raises(InputError, match=r"no adapter named `sql`.*has none"):
+        engine.submit(GenerationRequest(prompt, 2, adapter="sql"), lambda e: None)  # a build without --lora
+    with pytest.raises(InputError) as load:
+        lora_engine.add_adapter(lora_engine.adapters.by_name["sql"], 1)
+    assert load.value.field == "lora_action"
+
+
+def test_the_adapters_a_build_cannot_pass_to_tensorrt_llm_are_refused(tmp_path):
+    from tritonllm.engine.llmapi_config import llm_api_adapter
+
+    with pytest.raises(ConfigError, match="no such folder"):
+        llm_api_adapter("sql", tmp_path / "missing", 1)
+    with pytest.raises(ConfigError, match="target module embed_tokens has no TensorRT-LLM LoRA module name"):
+        llm_api_adapter("sql", peft_folder(tmp_path / "embed", ("q_proj", "embed_tokens")), 1)
+    with pytest.raises(ConfigError, match="target_modules 'all-linear'"):
+        llm_api_adapter("sql", peft_folder(tmp_path / "all", "all-linear"), 1)

@@ -169,3 +169,34 @@ def test_the_entrypoint_refuses_another_release_and_a_missing_launcher(tmp_path,
     monkeypatch.setattr(container.shutil, "which", lambda name: None if name == "trtllm-llmapi-launch" else name)
     assert container.main(["launch", str(out)]) == 1
     assert "trtllm-llmapi-launch is not on PATH" in capsys.readouterr().err
+
+
+def test_lora_adapters_are_listed_and_passed_to_the_llm_and_the_repository_takes_their_inputs(tmp_path, manifest):
+    from tests.unit.engine.test_llmapi import peft_folder
+
+    sql = peft_folder(tmp_path / "peft-sql")
+    out = build(tmp_path / "build", manifest, "--lora", f"sql={sql}")
+    engine_dir = out / "model_repository" / "tensorrt_llm_decoupled"
+    settings = json.loads((engine_dir / "1" / LLM_API_CONFIG_FILE).read_text())
+    assert settings["lora_adapters"] == [{"name": "sql", "task_id": 1, "path": str(sql.resolve())}]
+    assert settings["llm"]["lora_config"] == {
+        "lora_dir": [str(sql.resolve())],
+        "lora_target_modules": ["attn_q", "attn_v"],
+        "max_lora_rank": 8,
+        "max_loras": 1,
+        "max_cpu_loras": 1,
+    }
+    # The portable flavor's repository: the engine model, its face and the ensemble take lora_task_id and lora_name.
+    for model in ("tensorrt_llm_decoupled", "tensorrt_llm", "ensemble", "tensorrt_llm_bls"):
+        config = read_config(out / "model_repository" / model / "config.pbtxt")
+        assert {"lora_task_id", "lora_name"} <= {t.name for t in config.input}, model
+    ensemble = read_config(out / "model_repository" / "ensemble" / "config.pbtxt")
+    step = next(s for s in ensemble.ensemble_scheduling.step if s.model_name == "tensorrt_llm")
+    assert {"lora_task_id", "lora_name"} <= set(step.input_map)
+
+
+def test_a_lora_folder_that_is_missing_is_refused(tmp_path, manifest, capsys):
+    options = ["--model", manifest["model_dir"], "--build-dir", str(tmp_path), "--lora", f"sql={tmp_path / 'none'}"]
+    assert builder_main(["--engine", "trtllm-llmapi", *options]) == 2
+    err = capsys.readouterr().err
+    assert "--lora sql=" in err and "no such folder" in err

@@ -242,7 +242,7 @@ def test_the_build_writes_the_tokenizer_info_where_the_config_points(engine_dir,
     assert manifest["kv_cache_block_tokens"] == 32  # the OpenAI layer's unit of kv_cache_reused_blocks
 
 
-# lora_task_id is NVIDIA's name, but only the portable flavor serves adapters (docs/lora.md).
+# lora_task_id is NVIDIA's name too: the C++ backend's model and its face declare it with NVIDIA's other LoRA inputs.
 PORTABLE_ADDITIONS = {
     "num_top_log_probs",
     "openai_penalties",
@@ -250,6 +250,13 @@ PORTABLE_ADDITIONS = {
     "top_log_prob_ids",
     "lora_task_id",
     "lora_name",
+}
+# NVIDIA's LoRA inputs of the tensorrtllm backend's template (triton_backend/all_models/inflight_batcher_llm/
+# tensorrt_llm/config.pbtxt @ 0c8de69a1ca6213eebb20a51873890ff128666c2): name -> (type, dims, reshape, ragged).
+NVIDIA_LORA_INPUTS = {
+    "lora_task_id": ("TYPE_UINT64", [1], [], False),
+    "lora_weights": ("TYPE_FP16", [-1, -1], None, True),
+    "lora_config": ("TYPE_INT32", [-1, 3], None, True),
 }
 
 
@@ -261,7 +268,8 @@ def test_no_trtllm_model_declares_the_portable_engines_additions(engine_dir, tok
     configs = render_configs(plan.template_values(), flavor="trtllm", decoupled_mode=decoupled_mode)
     for name, (_, config) in configs.items():
         tensors = {t.name for t in [*config.input, *config.output]}
-        assert not tensors & PORTABLE_ADDITIONS, name
+        nvidia = {"lora_task_id"} if name in (ENGINE_MODEL, ENGINE) else set()
+        assert tensors & PORTABLE_ADDITIONS == nvidia, name
     from tests.unit.repository.test_render import DECOUPLED_VALUES, VALUES
 
     portable = render_configs(DECOUPLED_VALUES if decoupled_mode else VALUES, decoupled_mode=decoupled_mode)
@@ -296,9 +304,35 @@ def test_client_facing_io_is_identical_in_both_flavors(engine_dir, tokenizer_dir
     # tensorrt_llm: the shared tensors (_shared/tensorrt_llm_io.pbtxt); the portable engine's additions
     # (_shared/portable_engine_io.pbtxt, e.g. top log probs) are not declared by the C++ backend's model.
     additions = portable_only_tensors()
-    assert list(trt[ENGINE].input) == [t for t in portable[ENGINE].input if t.name not in additions]
+    trt_inputs = [t for t in trt[ENGINE].input if t.name not in NVIDIA_LORA_INPUTS]
+    assert trt_inputs == [t for t in portable[ENGINE].input if t.name not in additions]
     assert list(trt[ENGINE].output) == [t for t in portable[ENGINE].output if t.name not in additions]
-    assert not additions & {t.name for t in [*trt[ENGINE].input, *trt[ENGINE].output]}
+    assert additions & {t.name for t in [*trt[ENGINE].input, *trt[ENGINE].output]} == {"lora_task_id"}  # NVIDIA's
+
+
+@pytest.mark.parametrize("decoupled_mode", [False, True])
+def test_the_cpp_model_and_its_face_declare_nvidias_lora_inputs(engine_dir, tokenizer_dir, decoupled_mode):
+    """lora_task_id, lora_weights and lora_config, optional, with the template's types and shapes, on the C++ model
+    and on tensorrt_llm in both deployments (the default one's is the face that forwards every input); the ensemble
+    and tensorrt_llm_bls declare none of them."""
+    plan = dataclasses.replace(plan_trtllm(tokenizer_dir, engine_dir, args()), decoupled_mode=decoupled_mode)
+    configs = {
+        n: c
+        for n, (_, c) in render_configs(plan.template_values(), flavor="trtllm", decoupled_mode=decoupled_mode).items()
+    }
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    for name in {ENGINE_MODEL, plan.engine_model}:
+        inputs = {t.name: t for t in configs[name].input}
+        for tensor, (dtype, dims, reshape, ragged) in NVIDIA_LORA_INPUTS.items():
+            declared = inputs[tensor]
+            assert mc.DataType.Name(declared.data_type) == dtype and list(declared.dims) == dims, (name, tensor)
+            assert declared.optional and declared.allow_ragged_batch == ragged, (name, tensor)
+            assert (list(declared.reshape.shape) if declared.HasField("reshape") else None) == reshape, (name, tensor)
+    for name in ("ensemble", "tensorrt_llm_bls"):
+        assert not {t.name for t in configs[name].input} & NVIDIA_LORA_INPUTS.keys(), name
+    # The backend's LoRA cache parameters are left to its defaults (each read guarded).
+    assert not [p for p in configs[plan.engine_model].parameters if p.startswith("lora_")]
 
 
 def portable_only_tensors() -> set[str]:
