@@ -35,6 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -333,19 +334,18 @@ class LlamaCppEngine(BlockingGenerate):
 
     def add_adapter(self, adapter: Adapter, timeout: float) -> None:
         """Loads a GGUF LoRA while serving, between two steps; returns once requests may name it."""
-        with self._lock:
-            if self._stopped is not None:
-                raise EngineFailure(f"{self._stopped} (see the server log)")
-            done = self._loras.load(adapter)
-        self._work.set()
-        done.result(timeout)
+        self._change_adapters(lambda: self._loras.load(adapter), timeout)
 
     def remove_adapter(self, name: str, timeout: float) -> None:
         """Refuses new requests for `name` at once; returns once the requests using it finished and it is freed."""
+        self._change_adapters(lambda: self._loras.unload(name), timeout)
+
+    def _change_adapters(self, ask: Callable[[], Future], timeout: float) -> None:
+        """Asks the step thread for a change (under the lock, so never after _fail_all) and waits until it is made."""
         with self._lock:
             if self._stopped is not None:
                 raise EngineFailure(f"{self._stopped} (see the server log)")
-            done = self._loras.unload(name)
+            done = ask()
         self._work.set()
         done.result(timeout)
 
