@@ -7,16 +7,15 @@ Dynamo's own processes (frontend, router) are real; discovery is its file store 
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import time
 
 import openai
 import pytest
 
 from tests.conftest import BUILD
-from tritonllm.launch.tritonserver import metric_value
-
-pytest.importorskip("dynamo", reason="needs NVIDIA Dynamo: make dynamo (make test installs it)")
 from tritonllm.dynamo.fleet import Fleet
+from tritonllm.launch.tritonserver import metric_value
 
 FLEET_BUILD = BUILD / "fleet"
 ENGINE = "tensorrt_llm_decoupled"
@@ -35,6 +34,8 @@ def cached(worker) -> float:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
+    if importlib.util.find_spec("dynamo") is None:
+        pytest.fail("needs NVIDIA Dynamo: run `make dynamo` (make test installs it)")
     if not (FLEET_BUILD / "manifest.json").is_file():
         pytest.fail(f"needs the fleet build: {FLEET_BUILD}/manifest.json is missing (make test renders it)")
     fleet = Fleet(FLEET_BUILD, tmp_path_factory.mktemp("fleet"), router_mode="kv", migration_limit=3)
