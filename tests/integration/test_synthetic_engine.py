@@ -1,10 +1,14 @@
 """The synthetic benchmark engine behind the real models: what bench-pipeline measures is the real pipeline.
 
 Its text goes through preprocessing, postprocessing and tensorrt_llm_bls like a model's; streamed text equals the
-ensemble's and the tokenizer's decoding of the engine's own tokens; what it cannot honour is a 400 by name.
+ensemble's and the tokenizer's decoding of the engine's own tokens; what it cannot honour is a 400 by name. Both
+ways to the engine run: its default (the CUDA engine's: a process of its own, reached by several engine-model
+instances and, without BLS calls, by tensorrt_llm_bls and the bridge) and in the engine model's process (BLS).
 """
 
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -12,15 +16,16 @@ import tritonclient.grpc as grpcclient
 
 from client import GenerationError, generate, stream
 from tritonllm.launch.tritonserver import TritonServer
-from tritonllm.protocol import infer_inputs
+from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, infer_inputs
 from tritonllm.repository.builder import main as build_main
 
 
-@pytest.fixture(scope="module")
-def synthetic(manifest, tmp_path_factory):
+@pytest.fixture(scope="module", params=["engine-process", "in-process"])
+def synthetic(manifest, tmp_path_factory, request):
     build = tmp_path_factory.mktemp("synthetic")
     argv = ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(build)]
-    assert build_main([*argv, "--step-ms", "1", "--max-batch-size", "4", "--max-seq-len", "512"]) == 0
+    where = [] if request.param == "engine-process" else ["--no-engine-process"]
+    assert build_main([*argv, *where, "--step-ms", "1", "--max-batch-size", "4", "--max-seq-len", "512"]) == 0
     server = TritonServer.on_free_ports(build, log_file=build / "server.log")
     server.start(timeout=300)
     yield server
@@ -59,3 +64,30 @@ def test_streamed_text_equals_the_ensembles_and_the_decoded_tokens(synthetic, to
 def test_a_control_it_cannot_honour_is_refused_by_name(synthetic):
     with pytest.raises(GenerationError, match="temperature"):  # a temperature alone is greedy: top_p samples
         generate("Hello", 8, url=synthetic.http_url, temperature=0.7, top_p=0.9)
+
+
+def engine_model_requests(server) -> int:
+    """The requests Triton handed the engine model (its inference statistics)."""
+    with grpcclient.InferenceServerClient(f"{server.host}:{server.grpc_port}") as client:
+        stats = client.get_inference_statistics(DECOUPLED_ENGINE_MODEL, as_json=True)
+    return int(stats["model_stats"][0].get("inference_count", 0))
+
+
+def test_many_streams_and_whole_answers_at_once_all_finish(synthetic):
+    """With the engine in its own process, tensorrt_llm_bls and the ensemble's bridge are clients of it, not BLS
+    callers of the engine model: several engine-model instances cannot deadlock them, and the engine model is handed
+    none of their requests. In the engine model's process they call it through BLS."""
+    grpc_url = f"{synthetic.host}:{synthetic.grpc_port}"
+    before = engine_model_requests(synthetic)
+
+    def one(index: int) -> str:
+        if index % 2:
+            return "".join(c.text for c in stream("Tell me", 24, url=grpc_url, chat=False))
+        return generate("Tell me", 24, url=synthetic.http_url, chat=False)
+
+    with ThreadPoolExecutor(48) as pool:
+        texts = list(pool.map(one, range(192)))
+    assert len(set(texts)) == 1 and texts[0]
+    direct = (synthetic.repository / DECOUPLED_ENGINE_MODEL / "1" / "synthetic_engine.json").read_text()
+    handed = engine_model_requests(synthetic) - before
+    assert handed == 0 if '"engine_process": true' in direct else handed >= 192

@@ -29,6 +29,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.backend.admission import BoundedWorkers
+from tritonllm.backend.engine_client import EngineStream, client_for
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.triton_glue import (
     FINAL,
@@ -62,15 +63,11 @@ class _Request:
     sender: object
     wanted: set[str] | None = None  # the outputs the client asked for (None: all; triton_glue.requested_outputs)
     cancelled: bool = False  # set by the sender thread, read by the request's worker
-    engine_id: str | None = None  # its engine request's id, once being sent: the key of its `stop` request
+    engine: _BlsStream | EngineStream | None = None  # its engine request, once being sent
     stopped: bool = False  # the sender thread sent a `stop` request for it
     answered: bool = False  # the engine answered it once: its worker stops it at the next response
     pipeline: StreamedRequest | None = None  # made on its worker thread
     iterators: list = field(default_factory=list)  # its BLS response iterators, kept until settled
-
-
-def _in_band_error(response) -> bool:
-    return pb_utils.get_output_tensor_by_name(response, GENERATION_ERROR) is not None
 
 
 def _joinable(earlier, later) -> bool:
@@ -88,6 +85,41 @@ def _outputs(response, names) -> dict[str, np.ndarray]:
     return {name: tensor.as_numpy() for name, tensor in tensors if tensor is not None}
 
 
+class _BlsStream:
+    """An engine request through a decoupled BLS call to the engine model (an engine in that model's process, or
+    NVIDIA's): its responses' output arrays, as EngineStream gives them from the engine's own process."""
+
+    def __init__(self, model: str, request_id: str, inputs: dict, outputs: list[str], in_band: bool, keep: list):
+        self.model, self.request_id, self.keep = model, request_id, keep
+        tensors = [pb_utils.Tensor(name, array) for name, array in inputs.items()]
+        if in_band:
+            tensors.append(pb_utils.Tensor(ERRORS_IN_BAND, np.array([[True]])))
+        self.outputs = outputs
+        self.request = pb_utils.InferenceRequest(
+            model_name=model,
+            inputs=tensors,
+            requested_output_names=outputs + ([GENERATION_ERROR] if in_band else []),
+            request_id=request_id,
+        )
+
+    def __iter__(self):
+        for response in exec_decoupled(self.request, self.keep):
+            raise_if_error(response)
+            yield _outputs(response, self.outputs)
+
+    def stop(self) -> None:
+        """TensorRT-LLM's way to end a request early: a request with the same id and `stop` set."""
+        stop = pb_utils.InferenceRequest(
+            model_name=self.model,
+            inputs=[pb_utils.Tensor(name, value) for name, value, _ in stop_request_tensors()],
+            requested_output_names=["output_ids"],
+            request_id=self.request_id,
+        )
+        for response in exec_decoupled(stop, self.keep):
+            if response.has_error():
+                log_error(f"tensorrt_llm_bls: stopping engine request {self.request_id}: {response.error().message()}")
+
+
 class StreamingModel:
     def initialize(self, args: dict) -> None:
         config = model_config(args)
@@ -102,6 +134,7 @@ class StreamingModel:
         engine = read_config(repository / self.engine_model / "config.pbtxt")
         self.in_band = any(i.name == ERRORS_IN_BAND for i in engine.input)
         self.workers = BoundedWorkers(int(params["max_inflight_requests"]), "tensorrt_llm_bls")
+        self.client = client_for(repository, self.engine_model)  # None: the engine model is called through BLS
         # Engine request ids, unique per process: the key of `stop` requests (numeric, as TensorRT-LLM wants).
         self._ids = itertools.count(int.from_bytes(os.urandom(4), "little") << 20)
         self._live: dict[int, _Request] = {}
@@ -158,9 +191,9 @@ class StreamingModel:
                 self._ask_cancelled(state)
             # Stopped from here, not only by its worker at the engine's next response: a request waiting
             # in the engine's queue gets none until it runs, and would keep its place until then.
-            if state.cancelled and not state.stopped and state.engine_id is not None and not state.answered:
+            if state.cancelled and not state.stopped and state.engine is not None and not state.answered:
                 state.stopped = True
-                self._stop_engine(state)
+                state.engine.stop()
 
     def _ask_cancelled(self, state: _Request) -> None:
         """A round trip through the stub's helper thread. Only this thread asks, so none is
@@ -187,55 +220,38 @@ class StreamingModel:
     def _run_engine(self, pipeline: StreamedRequest, state: _Request) -> dict[str, np.ndarray]:
         """Streams the engine's responses through the pipeline, queueing its deltas; returns the perf metrics of
         the engine's final response (which a stopped request still waits for) when the request asked for them."""
-        inputs = [pb_utils.Tensor(name, array) for name, array in pipeline.engine_inputs().items()]
-        if self.in_band:
-            inputs.append(pb_utils.Tensor(ERRORS_IN_BAND, np.array([[True]])))
-        request_id = str(next(self._ids))
-        request = pb_utils.InferenceRequest(
-            model_name=self.engine_model,
-            inputs=inputs,
-            requested_output_names=pipeline.engine_outputs() + ([GENERATION_ERROR] if self.in_band else []),
-            request_id=request_id,
-        )
-        token_outputs = [name for name in pipeline.engine_outputs() if name not in PERF_OUTPUTS]
+        inputs, outputs = pipeline.engine_inputs(), pipeline.engine_outputs()
+        if self.client is not None:  # the engine's own process, as the engine model's instances reach it
+            state.engine = self.client.open(inputs, wanted=set(outputs))
+        else:
+            request_id = str(next(self._ids))
+            state.engine = _BlsStream(self.engine_model, request_id, inputs, outputs, self.in_band, state.iterators)
         stopping = False
-        state.engine_id = request_id  # before the call: it returns with the engine's first response only
-        last = None  # with perf: the engine's latest response, whose perf metrics are the request's
-        for response in exec_decoupled(request, state.iterators):
-            state.answered = True
-            failed = response.has_error() or _in_band_error(response)
-            if pipeline.perf and not failed:
+        last: dict[
+            str, np.ndarray
+        ] = {}  # with perf: the engine's latest response, whose perf metrics are the request's
+        try:
+            for response in state.engine:
+                state.answered = True
                 last = response
-            if stopping:
-                if failed:
-                    break  # an error ends the request: nothing more will come
-                continue  # drain until the engine's final response
-            if failed:
-                raise_if_error(response)
-            delta = pipeline.push(_outputs(response, token_outputs))
-            if delta is not None:
-                self.outbox.put(state, delta)
-            if pipeline.stopped or state.cancelled:  # sent even if the sender thread did: its stop may have come first
-                self._stop_engine(state)
-                stopping = True
+                if stopping:
+                    continue  # drain until the engine's final response
+                delta = pipeline.push(response)
+                if delta is not None:
+                    self.outbox.put(state, delta)
+                if pipeline.stopped or state.cancelled:  # even if the sender thread did: its stop may have come first
+                    state.engine.stop()
+                    stopping = True
+        except Exception:
+            if not stopping:
+                raise  # an error after the stop ends the request: nothing more will come
         if state.cancelled:
             raise _Cancelled
-        return _outputs(last, PERF_OUTPUTS) if last is not None else {}
-
-    def _stop_engine(self, state: _Request) -> None:
-        """TensorRT-LLM's way to end a request early: a request with the same id and `stop` set."""
-        request_id = state.engine_id
-        stop = pb_utils.InferenceRequest(
-            model_name=self.engine_model,
-            inputs=[pb_utils.Tensor(name, value) for name, value, _ in stop_request_tensors()],
-            requested_output_names=["output_ids"],
-            request_id=request_id,
-        )
-        for response in exec_decoupled(stop, state.iterators):
-            if response.has_error():
-                log_error(f"tensorrt_llm_bls: stopping engine request {request_id}: {response.error().message()}")
+        return {name: last[name] for name in PERF_OUTPUTS if name in last} if pipeline.perf else {}
 
     def finalize(self) -> None:
         # Queued requests are served too: each is owed a final response, which a cancelled one never gets.
         self.workers.shutdown(wait=True)
         self.outbox.close()
+        if self.client is not None:
+            self.client.close()

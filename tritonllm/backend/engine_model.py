@@ -13,23 +13,29 @@ client) ends the same way, with the tokens generated until then.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.backend.adapter_admin import AdapterAdmin, lora_action
-from tritonllm.backend.engine_io import RowTimes, exclude_input, pack_outputs, parse_requests, perf_outputs
+from tritonllm.backend.engine_calls import (
+    Call,
+    EngineSettings,
+    Generation,
+    admit,
+    answer_stop,
+    engine_config,
+    engine_scope,
+    generation_outputs,
+    new_call,
+    process_config,
+)
 from tritonllm.backend.metrics import EngineMetrics, Finished, error_label
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.triton_glue import (
@@ -48,64 +54,22 @@ from tritonllm.backend.triton_glue import (
     to_tensors,
 )
 from tritonllm.engine.api import (
-    ENGINE_CONFIG_FILE,
     LLAMACPP,
     BlockingGenerate,
     Emission,
-    EngineConfig,
     GenerationRequest,
 )
 from tritonllm.engine.health import EngineHealth
 from tritonllm.engine.llmapi_config import LLM_API_CONFIG_FILE
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
-from tritonllm.errors import EngineFailure, ErrorKind, InputError, ServerBusy
-from tritonllm.protocol import ERRORS_IN_BAND, HEALTH_PROBE_ID, KV_EVENTS_ENV
-from tritonllm.text.model_config import flag
-from tritonllm.text.wire import Limits, scalar
+from tritonllm.errors import EngineFailure, ErrorKind
+from tritonllm.text.wire import scalar
 
 CANCEL_CHECK_SECONDS = 0.2  # and the period of the load gauges
 # Guided requests are handed to the engine from these threads: compiling a new grammar takes up to seconds, and
 # Triton's execute thread must not wait on it (nor the `stop` requests and the other requests queued behind it).
 GUIDED_SUBMITTERS = 4
-
-
-@dataclass(eq=False)
-class _Call:
-    """One Triton request: its generations (engine requests), its response sender and what it asked for."""
-
-    sender: object
-    request_id: str  # the client's request id ("" when none), the key of `stop` requests
-    generations: list[_Generation]
-    exclude_input: bool
-    pad_id: int
-    counts: tuple[bool, bool]  # return_num_input_tokens, return_num_output_tokens
-    perf: bool  # return_perf_metrics: the KV cache block counts and the request's times (perf_outputs)
-    wanted: set[str] | None  # the outputs the request asked for (triton_glue.requested_outputs)
-    arrival: float = field(default_factory=time.perf_counter)  # the steady clock, as TensorRT-LLM's times
-    open: int = 0  # generations not yet answered in full: the response that answers the last is FINAL
-    # Whether responses carry batch_index, sequence_index: as TensorRT-LLM's backend, where there is more than one.
-    indexed: tuple[bool, bool] = (False, False)
-    closed: bool = False
-    cancelled: bool = False  # asked to end: a generation handed to the engine after it is cancelled at once
-    errors_in_band: bool = False  # ERRORS_IN_BAND: an error after a response goes as GENERATION_ERROR
-    answered: bool = False  # a response went out
-
-
-@dataclass(eq=False)
-class _Generation:
-    """One engine request of a call, answered with responses of its own (the outbox's key)."""
-
-    call: _Call
-    request: GenerationRequest
-    batch_index: int
-    sequence_index: int
-    engine_id: str = ""
-    submitted: float = 0.0  # when handed to the engine
-    generated: int = 0  # tokens so far
-    cached: int = 0  # prompt tokens the prefix cache served, known at the end
-    cum_log_prob: float = 0.0  # a stream's, so far
-    times: RowTimes | None = None
 
 
 def load_engine(
@@ -115,40 +79,32 @@ def load_engine(
     on_records: Callable[[list], None] = lambda records: None,
 ) -> tuple[BlockingGenerate, str]:
     """The engine the build configured in the model's version folder, and what it is, for the log. An engine in a
-    process of its own is shared by the model's instances on the same device of the same server (a stub's parent
-    process is the server); it calls `on_stop` for the `stop` requests any of them received, and `on_records` with
-    the metrics records of the others in the one that reports them."""
-    shared_as = f"{socket.gethostname()}:{os.getppid()}:{folder.resolve()}"  # a container's own host name
+    process of its own is shared by the model's instances on the same device of the same server, and reached by
+    tensorrt_llm_bls and the bridge too (engine_client.py); it calls `on_stop` for the `stop` requests any of them
+    received, and `on_records` with the metrics records of the others in the one that reports them."""
+    own = process_config(folder, device)
+    if own is not None:
+        what = "synthetic benchmark engine" if isinstance(own, SyntheticConfig) else f"portable engine on {device}"
+        return EngineProcess(own, engine_scope(folder), on_stop, on_records), f"{what}, in a process of its own"
     synthetic = folder / SYNTHETIC_CONFIG_FILE
     if synthetic.is_file():  # a benchmark instrument (build_engines.py --engine synthetic)
         config = SyntheticConfig(**json.loads(synthetic.read_text()))
-        what = f"synthetic benchmark engine, {config.step_ms} ms per step"
-        if config.engine_process:
-            return EngineProcess(config, shared_as, on_stop, on_records), f"{what}, in a process of its own"
-        return SyntheticEngine(config), what
+        return SyntheticEngine(config), f"synthetic benchmark engine, {config.step_ms} ms per step"
     llm_api = folder / LLM_API_CONFIG_FILE
     if llm_api.is_file():  # build_engines.py --engine trtllm-llmapi: TensorRT-LLM's LLM API, in NVIDIA's image
         from tritonllm.engine.llmapi import LlmApiEngine
 
         engine = LlmApiEngine(json.loads(llm_api.read_text()))
         return engine, f"TensorRT-LLM {engine.api.version} LLM API engine"
-    engine_config = EngineConfig(**json.loads((folder / ENGINE_CONFIG_FILE).read_text()))
-    if device != "cpu":
-        engine_config = dataclasses.replace(engine_config, device=device)  # the GPU of this instance
-    if events := os.environ.get(KV_EVENTS_ENV):  # a Dynamo worker's server (tritonllm/dynamo)
-        engine_config = dataclasses.replace(engine_config, kv_events=events)
-    if engine_config.impl == LLAMACPP:
+    config = engine_config(folder, device)
+    if config.impl == LLAMACPP:
         from tritonllm.engine.llamacpp import LlamaCppEngine
 
-        engine = LlamaCppEngine(engine_config)
+        engine = LlamaCppEngine(config)
         return engine, f"llama.cpp engine ({engine.description})"
-    # The engine in a child process (tritonllm/engine/process.py), which alone then loads torch, or in this one.
-    if engine_config.engine_process:
-        engine = EngineProcess(engine_config, shared_as, on_stop, on_records)
-        return engine, f"portable engine on {device}, in a process of its own"
     from tritonllm.engine.portable import PortableEngine
 
-    return PortableEngine(engine_config), f"portable engine on {device}, in the model's process"
+    return PortableEngine(config), f"portable engine on {device}, in the model's process"
 
 
 class EngineModel:
@@ -160,13 +116,11 @@ class EngineModel:
         device = "cpu"
         if args.get("model_instance_kind") == "GPU":
             device = f"cuda:{args['model_instance_device_id']}"
-        self.limits = Limits(int(params["max_input_len"]), int(params["max_seq_len"]), int(params["vocab_size"]))
-        self.exclude_input = flag(params.get("exclude_input_in_output", "true"))
-        # Requests beyond the running batch wait in the engine's queue, up to this bound; more are refused.
-        self.capacity = int(config["max_batch_size"]) + int(params["max_queue_size"])
+        # Requests beyond the running batch wait in the engine's queue, up to its capacity; more are refused.
+        self.settings = EngineSettings.of(params, int(config["max_batch_size"]))
         folder = Path(args["model_repository"]) / args["model_version"]
         started = time.perf_counter()
-        self._live: dict[int, _Call] = {}
+        self._live: dict[int, Call] = {}
         self._finished: queue.SimpleQueue = queue.SimpleQueue()  # Finished or an error label, for _tick
         self.engine, what = load_engine(folder, device, self._stop_calls, self._take_records)
         # The batching manager's first step is slow (allocation, kernel selection): pay it now.
@@ -207,43 +161,22 @@ class EngineModel:
                 if scalar(arrays, "stop", 0):
                     self._stop(request.request_id(), sender)
                     continue
-                generations = parse_requests(arrays, self.limits, self.engine.adapters)
-                self._admit(len(generations))
-                pad = arrays.get("pad_id")
-                counts = (
-                    bool(scalar(arrays, "return_num_input_tokens", 0)),
-                    bool(scalar(arrays, "return_num_output_tokens", 0)),
-                )
-                call = _Call(
-                    sender,
-                    request.request_id(),
-                    [],
-                    exclude_input(arrays, self.exclude_input),
-                    int(pad.flat[0]) if pad is not None else 0,
-                    counts,
-                    bool(scalar(arrays, "return_perf_metrics", 0)),
-                    requested_outputs(request),
-                    errors_in_band=bool(scalar(arrays, ERRORS_IN_BAND, 0)),
-                )
-                call.generations = [_Generation(call, g.request, g.batch_index, g.sequence_index) for g in generations]
-                call.open = len(call.generations)
-                call.indexed = (
-                    any(g.batch_index for g in generations),
-                    any(g.sequence_index for g in generations),
-                )
+                wanted = requested_outputs(request)
+                call = new_call(arrays, self.settings, self.engine.adapters, sender, request.request_id(), wanted)
+                admit(self.engine, len(call.generations), self.settings.capacity, self._compiling)
             except Exception as exc:
                 self._finished.put(error_label(error_kind(exc)))
                 sender.send(error_response(exc), flags=FINAL)
                 continue
             self._live[id(call)] = call
-            if any(g.request.guide is not None for g in call.generations):
+            if call.guided():
                 self._count_compiling(len(call.generations))
                 self._guided.submit(self._submit, call, True)
             else:
                 self._submit(call)
         return None
 
-    def _submit(self, call: _Call, guided: bool = False) -> None:
+    def _submit(self, call: Call, guided: bool = False) -> None:
         """Hands a call's generations to the engine; on a guided submitter thread for a guided call."""
         try:
             for generation in call.generations:
@@ -268,7 +201,7 @@ class EngineModel:
         with self._compiling_lock:
             self._compiling += rows
 
-    def _refused(self, call: _Call, exc: Exception) -> None:
+    def _refused(self, call: Call, exc: Exception) -> None:
         """A generation the engine did not take: those it took are cancelled, and the request ends with `exc`; the
         closed call sends nothing more (a generation taken before may have been answered already). The refusal
         goes out through the outbox, the one thread that answers calls: on a guided submitter's, its final response
@@ -276,14 +209,6 @@ class EngineModel:
         self._close(call)
         self._finished.put(error_label(error_kind(exc)))
         self._outbox.put(call, exc)
-
-    def _admit(self, rows: int) -> None:
-        in_flight = self.engine.running() + self._compiling
-        if in_flight + rows > self.capacity:
-            raise ServerBusy(
-                f"server busy: {in_flight} requests are in the engine and its limit is {self.capacity} "
-                "(max_batch_size running + max_queue_size waiting); retry later"
-            )
 
     def _administer(self, action: str, arrays: dict, sender, wanted: set[str] | None) -> None:
         """A lora_action request, answered with the adapters loaded once it is done (on an administrator thread)."""
@@ -297,23 +222,17 @@ class EngineModel:
         sender.send(response, flags=FINAL)
 
     def _stop(self, request_id: str, sender) -> None:
-        """TensorRT-LLM's `stop` input: end the in-flight requests that carry this request id; the health probe's
-        (tritonllm.launch.tritonserver.probe_engine) is answered from the engine's health."""
-        if not request_id:
-            raise InputError("stop", "a stop request must carry the id of the request to stop")
-        if request_id == HEALTH_PROBE_ID:
-            problem = self._health.problem()
-            if problem:
-                sender.send(error_response(EngineFailure(problem)), flags=FINAL)
-            else:
-                sender.send(flags=FINAL)
+        """TensorRT-LLM's `stop` input (engine_calls.answer_stop), relayed to every caller of a shared engine."""
+        try:
+            answer_stop(request_id, self._health, self._relay_stop)
+        except Exception as exc:
+            sender.send(error_response(exc), flags=FINAL)
             return
-        if not self.engine.alive():  # a client's stop to a dead engine: said, not silently a success
-            sender.send(error_response(EngineFailure("the engine's generation loop has stopped")), flags=FINAL)
-            return
+        sender.send(flags=FINAL)
+
+    def _relay_stop(self, request_id: str) -> None:
         if not self.engine.relay_stop(request_id):
             self._stop_calls(request_id)
-        sender.send(flags=FINAL)
 
     def _stop_calls(self, request_id: str) -> None:
         """Ends this instance's calls that carry the client's request id (from the engine's thread, when relayed)."""
@@ -321,16 +240,13 @@ class EngineModel:
             if call.request_id == request_id:
                 self._cancel(call)
 
-    def _on_emission(self, generation: _Generation, emission: Emission) -> None:
+    def _on_emission(self, generation: Generation, emission: Emission) -> None:
         """From the engine's thread: queue what to send, never block."""
-        generation.generated += len(emission.token_ids)
-        if generation.call.perf:
-            generation.times = RowTimes.after(generation.times, generation.submitted, emission, generation.generated)
+        generation.took(emission)
         if emission.final:
-            generation.cached = emission.cached_tokens
             request = generation.request
             self._finished.put(Finished(emission, len(request.input_ids), generation.generated, request.adapter))
-        if emission.error or generation.request.streaming or emission.final:
+        if generation.sends(emission):
             self._outbox.put(generation, emission)
 
     def _tick(self) -> None:
@@ -355,9 +271,9 @@ class EngineModel:
         for record in records:
             self._finished.put(record)
 
-    def _send(self, key: _Generation | _Call, item: Emission | Exception) -> None:
+    def _send(self, key: Generation | Call, item: Emission | Exception) -> None:
         """On the outbox's thread: a stream's new tokens, a generation's whole answer, or a refused call's error."""
-        if isinstance(key, _Call):  # its one item (a key of its own: never joined with an emission)
+        if isinstance(key, Call):  # its one item (a key of its own: never joined with an emission)
             self._fail(key, item)
             return
         generation, emission = key, item
@@ -372,7 +288,7 @@ class EngineModel:
             call.open -= 1
         final = call.open == 0
         try:  # built before the call closes: a failure still has the call to end
-            outputs = self._outputs(generation, emission)
+            outputs = generation_outputs(generation, emission)
             tensors = None if outputs is None else to_tensors(outputs, call.wanted)
             if final:
                 self._close(call)
@@ -386,54 +302,18 @@ class EngineModel:
             self._finished.put(error_label(error_kind(exc)))
             self._fail(call, exc)
 
-    def _fail(self, call: _Call, exc: BaseException) -> None:
+    def _fail(self, call: Call, exc: BaseException) -> None:
         """On the outbox's thread: the call's final response, its error (in band where it asked: ERRORS_IN_BAND)."""
         in_band = call.errors_in_band and call.answered
         response = in_band_error_response(exc) if in_band else error_response(exc)
         call.sender.send(response, flags=FINAL)
 
-    def _outputs(self, generation: _Generation, emission: Emission) -> dict | None:
-        """A response's tensors: the generation's tokens (with the prompt, when asked, in a whole answer), and the
-        log probs, token counts, perf metrics and indices it asked for. None: nothing to send (a stream's end
-        without tokens and without counts)."""
-        call, request = generation.call, generation.request
-        streaming = request.streaming
-        if streaming and not emission.token_ids and not (emission.final and (any(call.counts) or call.perf)):
-            return None
-        tokens = emission.token_ids if streaming or call.exclude_input else request.input_ids + emission.token_ids
-        wanted = request.log_probs
-        log_probs = [emission.log_probs or []] if wanted >= 0 else None
-        outputs = pack_outputs([tokens], call.pad_id, log_probs, top=max(wanted, 0))
-        if "cum_log_probs" in outputs and streaming:  # TensorRT-LLM's is the sum so far
-            generation.cum_log_prob += float(outputs["cum_log_probs"].sum())
-            outputs["cum_log_probs"][:] = generation.cum_log_prob
-        if call.counts[0]:
-            outputs["num_input_tokens"] = np.array([[len(request.input_ids)]], dtype=np.int32)
-        if call.counts[1]:  # as TensorRT-LLM, the output ids of this response: the prompt too when they hold it
-            outputs["num_output_tokens"] = np.array([[len(tokens)]], dtype=np.int32)
-        if call.perf:  # on every response, as TensorRT-LLM's executor: the counts and times so far
-            outputs.update(
-                perf_outputs(
-                    len(request.input_ids),
-                    generation.generated,
-                    generation.cached,
-                    call.arrival,
-                    generation.times,
-                    call.wanted,
-                )
-            )
-        if call.indexed[0]:
-            outputs["batch_index"] = np.array([[generation.batch_index]], dtype=np.int32)
-        if call.indexed[1]:
-            outputs["sequence_index"] = np.array([[generation.sequence_index]], dtype=np.int32)
-        return outputs
-
-    def _close(self, call: _Call) -> None:
+    def _close(self, call: Call) -> None:
         call.closed = True
         self._live.pop(id(call), None)
         self._cancel(call)  # no-op for finished generations; frees the others' batch slots
 
-    def _cancel(self, call: _Call) -> None:
+    def _cancel(self, call: Call) -> None:
         call.cancelled = True
         for generation in call.generations:
             if generation.engine_id:

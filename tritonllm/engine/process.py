@@ -68,6 +68,7 @@ from tritonllm.protocol import FINISH_ERROR
 SHUTDOWN_REASON = "the engine is shutting down"  # as the engines' own shutdown says it
 MAX_SOCKET_PATH = 100  # bytes: a Unix socket's path must fit in 108, with its terminating zero
 NOT_READY = "the engine's process closed the connection before it was ready"
+NOT_RUNNING = "the engine's process is not running: the engine model is not loaded (yet)"
 
 
 class EngineProcessError(EngineFailure):
@@ -106,9 +107,10 @@ def socket_path(config: EngineConfig | SyntheticConfig, shared_as: str | None) -
 
 class EngineProcess(BlockingGenerate):
     """`PortableEngine`'s interface, served by a child process (the synthetic engine, for its configuration) that
-    instances naming the same `shared_as` and configuration share (None: one of its own). `emit` callbacks run on
-    this process's reader thread, in the order the child's engine made the emissions; the others there too:
-    `on_stop` with the client request id of a `stop` request that any of the sharing instances received
+    instances naming the same `shared_as` and configuration share (None: one of its own); with `start` False, only
+    one already running (EngineProcessError when none is), as the engine model's other callers join it. `emit`
+    callbacks run on this process's reader thread, in the order the child's engine made the emissions; the others
+    there too: `on_stop` with the client request id of a `stop` request that any of the sharing instances received
     (`relay_stop`), `on_records` in the instance that reports the metrics with what another forwarded
     (`forward_records`)."""
 
@@ -118,6 +120,7 @@ class EngineProcess(BlockingGenerate):
         shared_as: str | None = None,
         on_stop: Callable[[str], None] = lambda request_id: None,
         on_records: Callable[[list], None] = lambda records: None,
+        start: bool = True,
     ) -> None:
         self._on_stop, self._on_records = on_stop, on_records
         self._send_lock = threading.Lock()
@@ -131,6 +134,8 @@ class EngineProcess(BlockingGenerate):
         self._process: subprocess.Popen | None = None  # the child, when this instance started it
         with socket_lock(self._path):  # the child decides to exit holding it too
             conn = _connect(self._path)
+            if conn is None and not start:
+                raise EngineProcessError(NOT_RUNNING)
             if conn is None:
                 self._process = _start(self._path)
                 conn = _connect(self._path)

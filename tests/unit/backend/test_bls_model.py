@@ -33,6 +33,7 @@ def bls(pb_utils):
     model = bls_model.StreamingModel.__new__(bls_model.StreamingModel)  # no tokenizer or workers needed
     model.engine_model = "tensorrt_llm"
     model.in_band = True  # the portable engine model takes errors_in_band
+    model.client = None  # the engine model is called through BLS (an engine in its process)
     model._live = {}
     model._unsettled = []
     return bls_model, model
@@ -82,12 +83,11 @@ def test_bls_refuses_a_batch_as_invalid_input(bls, pb_utils):
 
 
 def test_a_failed_stop_request_is_logged_without_a_bogus_traceback(bls, pb_utils):
-    bls_model, model = bls
+    bls_model, _ = bls
     pb_utils.bls_handler = lambda request: [
         pb_utils.InferenceResponse(error=pb_utils.TritonError("engine gone", pb_utils.TritonError.INTERNAL))
     ]
-    state = bls_model._Request(pb_utils.ResponseSender(), engine_id="42")
-    model._stop_engine(state)
+    bls_model._BlsStream("tensorrt_llm", "42", {}, [], True, []).stop()
     (stop,) = pb_utils.bls_requests
     assert (stop.model_name, stop.request_id, bool(stop.input("stop").item())) == ("tensorrt_llm", "42", True)
     (logged,) = pb_utils.Logger.errors()
@@ -95,21 +95,25 @@ def test_a_failed_stop_request_is_logged_without_a_bogus_traceback(bls, pb_utils
     assert "NoneType" not in logged and "Traceback" not in logged
 
 
+def engine_stream(bls_model, request_id: str):
+    return bls_model._BlsStream("tensorrt_llm", request_id, {}, [], True, [])
+
+
 def test_a_cancelled_request_waiting_in_the_engine_is_stopped_by_the_sender_thread(bls, pb_utils):
     """Its worker waits for the engine's next response, which a request in the engine's queue does not get
     until it runs: the periodic cancellation check must stop it, once."""
     bls_model, model = bls
     pb_utils.bls_handler = lambda request: [pb_utils.InferenceResponse()]
-    waiting = bls_model._Request(pb_utils.ResponseSender(), engine_id="7")
+    waiting = bls_model._Request(pb_utils.ResponseSender(), engine=engine_stream(bls_model, "7"))
     preprocessing = bls_model._Request(pb_utils.ResponseSender())  # no engine request yet: nothing to stop
-    running = bls_model._Request(pb_utils.ResponseSender(), engine_id="8")
+    running = bls_model._Request(pb_utils.ResponseSender(), engine=engine_stream(bls_model, "8"))
     waiting.sender.cancelled = preprocessing.sender.cancelled = True
     model._live = {id(state): state for state in (waiting, preprocessing, running)}
     model._check_cancelled()
     model._check_cancelled()
     assert [(r.request_id, bool(r.input("stop").item())) for r in pb_utils.bls_requests] == [("7", True)]
     assert waiting.stopped and preprocessing.cancelled and not preprocessing.stopped and not running.stopped
-    preprocessing.engine_id = "9"  # its engine request is sent: the next check stops it
+    preprocessing.engine = engine_stream(bls_model, "9")  # its engine request is sent: the next check stops it
     model._check_cancelled()
     assert [r.request_id for r in pb_utils.bls_requests] == ["7", "9"]
 
@@ -119,7 +123,7 @@ def test_a_cancelled_request_the_engine_answered_is_left_to_its_worker(bls, pb_u
     left the server slow after 20 cancelled streams (tests/integration/test_streaming.py)."""
     bls_model, model = bls
     pb_utils.bls_handler = lambda request: [pb_utils.InferenceResponse()]
-    answered = bls_model._Request(pb_utils.ResponseSender(), engine_id="7", answered=True)
+    answered = bls_model._Request(pb_utils.ResponseSender(), engine=engine_stream(bls_model, "7"), answered=True)
     answered.sender.cancelled = True
     model._live = {id(answered): answered}
     model._check_cancelled()

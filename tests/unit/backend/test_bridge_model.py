@@ -30,6 +30,7 @@ def face(pb_utils):
     model.engine_model = "tensorrt_llm_decoupled"
     model.engine_outputs = {"output_ids", "sequence_length", *PERF_OUTPUTS}
     model.reshaped = {}
+    model.client = None  # the engine model is called through BLS
     model.workers = Workers()
     return model
 

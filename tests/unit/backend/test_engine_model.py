@@ -22,6 +22,7 @@ import pytest
 
 from tests.polling import eventually
 from tests.unit.backend import fake_pb_utils
+from tritonllm.backend.engine_calls import EngineSettings
 from tritonllm.engine.adapters import AdapterTable
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, GenerationRequest
 from tritonllm.errors import ErrorKind, InputError
@@ -153,9 +154,7 @@ def model(pb_utils):
     from tritonllm.backend import engine_model
 
     model = engine_model.EngineModel.__new__(engine_model.EngineModel)  # no engine to load: a fake one
-    model.limits = Limits(max_input_len=8, max_seq_len=16, vocab_size=100)
-    model.exclude_input = True
-    model.capacity = 16
+    model.settings = EngineSettings(Limits(max_input_len=8, max_seq_len=16, vocab_size=100), True, 16)
     model.engine = FakeEngine(refuse=7)
     model._health = engine_model.EngineHealth(model.engine)
     model._live = {}
@@ -239,9 +238,9 @@ def test_an_error_is_counted_under_the_kind_it_is_answered_with(model, pb_utils,
     [(response, _)] = bad.sender.sent
     assert response.error().code() == pb_utils.TritonError.INVALID_ARG
     assert drain(model._finished) == ["invalid_input"]
-    from tritonllm.backend import engine_model
+    from tritonllm.backend import engine_calls
 
-    monkeypatch.setattr(engine_model, "parse_requests", lambda arrays, limits: {}["a bug"])
+    monkeypatch.setattr(engine_calls, "parse_requests", lambda arrays, limits, adapters: {}["a bug"])
     buggy = request(pb_utils, [1, 2])
     model.execute([buggy])
     [(response, _)] = buggy.sender.sent
@@ -253,11 +252,11 @@ def test_an_error_is_counted_under_the_kind_it_is_answered_with(model, pb_utils,
 
 
 def test_a_request_over_the_engines_capacity_is_refused_as_busy(model, pb_utils):
-    full = [request(pb_utils, [1, 2]) for _ in range(model.capacity - 1)]
+    full = [request(pb_utils, [1, 2]) for _ in range(model.settings.capacity - 1)]
     model.execute(full)
     last_seat = request(pb_utils, [1, 2])
     model.execute([last_seat])  # capacity - 1 in the engine: still admitted
-    assert last_seat.sender.sent == [] and model.engine.running() == model.capacity
+    assert last_seat.sender.sent == [] and model.engine.running() == model.settings.capacity
 
     over = request(pb_utils, [1, 2])
     model.execute([over])
@@ -266,29 +265,29 @@ def test_a_request_over_the_engines_capacity_is_refused_as_busy(model, pb_utils)
     error = response.error()
     assert error.code() == pb_utils.TritonError.UNAVAILABLE
     assert error.message().startswith(f"{ErrorKind.BUSY.tag} ")
-    assert f"its limit is {model.capacity}" in error.message() and "max_queue_size" in error.message()
-    assert model.engine.running() == model.capacity, "nothing of the refused request reached the engine"
+    assert f"its limit is {model.settings.capacity}" in error.message() and "max_queue_size" in error.message()
+    assert model.engine.running() == model.settings.capacity, "nothing of the refused request reached the engine"
     assert "server_busy" in drain(model._finished)
     assert all(r.sender.sent == [] for r in [*full, last_seat])
 
 
 def test_admission_counts_a_batched_requests_rows(model, pb_utils):
-    model.execute([request(pb_utils, [1, 2]) for _ in range(model.capacity - 1)])
+    model.execute([request(pb_utils, [1, 2]) for _ in range(model.settings.capacity - 1)])
     two_rows = request(pb_utils, [1, 2], [3, 4])
     model.execute([two_rows])  # one seat left, two rows
     [(response, flags)] = two_rows.sender.sent
     assert flags == FINAL and ErrorKind.of_message(response.error().message()) is ErrorKind.BUSY
     one_row = request(pb_utils, [1, 2])
     model.execute([one_row])
-    assert one_row.sender.sent == [] and model.engine.running() == model.capacity
+    assert one_row.sender.sent == [] and model.engine.running() == model.settings.capacity
 
 
 def test_a_seat_freed_by_a_finished_request_is_taken_again(model, pb_utils):
-    model.execute([request(pb_utils, [1, 2]) for _ in range(model.capacity)])
+    model.execute([request(pb_utils, [1, 2]) for _ in range(model.settings.capacity)])
     model.engine.emit("e0", Emission([5], FINISH_EOS))
     again = request(pb_utils, [1, 2])
     model.execute([again])
-    assert again.sender.sent == [] and model.engine.running() == model.capacity
+    assert again.sender.sent == [] and model.engine.running() == model.settings.capacity
 
 
 # Cancellation: the sender thread's periodic check cancels what the client gave up.
@@ -368,7 +367,7 @@ def started(pb_utils, monkeypatch, tmp_path, request):
 
 
 def test_capacity_is_max_batch_size_plus_max_queue_size(started, pb_utils):
-    assert started.capacity == 3 and len(started.engine.warmups) == 1
+    assert started.settings.capacity == 3 and len(started.engine.warmups) == 1
     admitted = [request(pb_utils, [1, 2]) for _ in range(3)]
     started.execute(admitted)
     over = request(pb_utils, [1, 2])
@@ -870,18 +869,18 @@ def test_guided_calls_queued_at_unload_each_get_a_final_error(model, pb_utils, m
 def test_a_final_response_that_fails_to_build_ends_its_call_with_an_error(started, pb_utils, monkeypatch):
     """The outbox only logs what its sender raises: the client would wait for a final response forever. The other
     calls go on."""
-    from tritonllm.backend import engine_model
+    from tritonllm.backend import engine_calls
 
     broken, other = request(pb_utils, [1, 2], **STREAMING), request(pb_utils, [3, 4], **STREAMING)
     started.execute([broken, other])
-    pack = engine_model.pack_outputs
+    pack = engine_calls.pack_outputs
 
     def pack_but_not_six(tokens: list, *args, **kwargs) -> dict:
         if 6 in tokens[0]:  # the final emission's, joined to the one before or not
             raise ValueError("a bug packing outputs")
         return pack(tokens, *args, **kwargs)
 
-    monkeypatch.setattr(engine_model, "pack_outputs", pack_but_not_six)
+    monkeypatch.setattr(engine_calls, "pack_outputs", pack_but_not_six)
     started.engine.emit("e0", Emission([5]))
     started.engine.emit("e0", Emission([6], FINISH_LENGTH))
     started.engine.emit("e1", Emission([7], FINISH_LENGTH))

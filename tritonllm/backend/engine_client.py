@@ -1,0 +1,233 @@
+"""`tensorrt_llm_bls` and the bridge (`tensorrt_llm`'s face) as clients of the engine's own process.
+
+Where the engine runs in a process of its own (tritonllm/engine/process.py; the default on CUDA), these models reach
+it as the engine model's instances do, over its socket, not through decoupled BLS calls to the engine model: a
+response costs one hop less, and with no BLS call the several engine-model instances that carry the engine's rate
+cannot deadlock them (a lock-order bug of tritonserver 2.51's BLS calls, docs/troubleshooting.md). A request is read
+into a `Call` by the engine model's rules, admitted against its bound, and each emission becomes the outputs the
+engine model would have sent (engine_calls.py): a caller gets what a BLS call would have answered. `stop` requests
+reach every caller of the engine through its process, and finished requests are counted by the engine model's
+instance that reports the engine's metrics.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from tritonllm.backend.engine_calls import (
+    Call,
+    EngineSettings,
+    Generation,
+    admit,
+    engine_scope,
+    generation_outputs,
+    new_call,
+    process_config,
+)
+from tritonllm.backend.metrics import Finished, error_label
+from tritonllm.engine.adapters import AdapterTable
+from tritonllm.engine.api import Emission
+from tritonllm.engine.process import NOT_RUNNING, EngineProcess, EngineProcessError, socket_path
+from tritonllm.errors import ErrorKind, TritonLLMError, error_of_kind
+from tritonllm.text.model_config import read_config
+
+# The devices whose engine process a client looks for: one per GPU an engine-model instance runs on, or the CPU.
+DEVICES = ("cpu", *(f"cuda:{index}" for index in range(16)))
+RECORDS_SECONDS = 0.2  # how often finished requests are forwarded to the instance that counts them
+
+
+class EngineStream:
+    """One call's responses as the engine model's output arrays, in order, on the caller's thread."""
+
+    def __init__(self, client: EngineClient, engine: EngineProcess) -> None:
+        self.client = client
+        self.engine = engine
+        self.call: Call | None = None  # set once read (its sender is this stream)
+        self.emissions: queue.SimpleQueue = queue.SimpleQueue()
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """Each response's arrays; the call's error (a TritonLLMError of its kind) is raised. A stream's emissions
+        that queued up while the caller was busy come as one response, as the engine model joins them."""
+        call = self.call
+        try:
+            while call.open:
+                for generation, emission in self._next_run():
+                    if emission.error:
+                        raise emission.failure()
+                    if emission.final:
+                        call.open -= 1
+                    outputs = generation_outputs(generation, emission)
+                    if outputs is not None:
+                        yield outputs
+        finally:
+            self.client.ended(self)
+
+    def _next_run(self) -> list[tuple[Generation, Emission]]:
+        """The emissions queued now (waiting for one), a generation's consecutive joinable ones joined."""
+        items = [self.emissions.get()]
+        while True:
+            try:
+                items.append(self.emissions.get_nowait())
+            except queue.Empty:
+                break
+        runs: list[tuple[Generation, list[Emission]]] = []
+        for generation, emission in items:
+            if runs and runs[-1][0] is generation and Emission.joinable(runs[-1][1][-1], emission):
+                runs[-1][1].append(emission)
+            else:
+                runs.append((generation, [emission]))
+        return [(generation, Emission.join(run) if len(run) > 1 else run[0]) for generation, run in runs]
+
+    def stop(self) -> None:
+        """Ends the engine's work on the call at once (TensorRT-LLM's `stop`): its generations end with what they
+        have, and the stream with them."""
+        call = self.call
+        call.cancelled = True
+        for generation in call.generations:
+            if generation.engine_id:
+                self.engine.cancel(generation.engine_id)
+
+
+class EngineClient:
+    """The engine processes that the engine model's instances in the version `folder` run (one per device), joined
+    on first use and again once gone; a call goes to the least loaded."""
+
+    def __init__(self, folder: Path, settings: EngineSettings) -> None:
+        self.folder = folder
+        self.settings = settings
+        self.adapters = AdapterTable()  # an engine in a process of its own serves none
+        self._scope = engine_scope(folder)
+        self._lock = threading.Lock()
+        self._engines: list[EngineProcess] = []
+        self._live: dict[int, EngineStream] = {}
+        self._records: list[Finished | str] = []  # finished requests, and refusals' error labels
+        self._closed = threading.Event()
+        self._forwarder = threading.Thread(target=self._forward_records, name="engine-client-records", daemon=True)
+        self._forwarder.start()
+
+    def open(self, arrays: dict[str, np.ndarray], request_id: str = "", wanted: set[str] | None = None) -> EngineStream:
+        """A `tensorrt_llm` request's arrays, handed to the engine: its stream of responses. Raises InputError as
+        the engine model refuses, ServerBusy past its bound, and an UNAVAILABLE error when no engine runs."""
+        try:
+            stream = EngineStream(self, self._least_loaded())
+            stream.call = call = new_call(arrays, self.settings, self.adapters, stream, request_id, wanted)
+            admit(stream.engine, len(call.generations), self.settings.capacity)
+        except Exception as exc:
+            self._count(error_label(exc.kind if isinstance(exc, TritonLLMError) else ErrorKind.INTERNAL))
+            raise
+        with self._lock:
+            self._live[id(stream)] = stream
+        try:
+            for generation in call.generations:
+                generation.submitted = time.perf_counter()
+                generation.engine_id = stream.engine.submit(
+                    generation.request, lambda e, g=generation: self._emitted(stream, g, e)
+                )
+        except BaseException:
+            stream.stop()
+            self.ended(stream)
+            raise
+        if call.cancelled:  # stopped by a relayed `stop` while being handed over
+            stream.stop()
+        return stream
+
+    def stop(self, request_id: str) -> None:
+        """TensorRT-LLM's `stop` request: every caller's calls that carry the client's `request_id` end."""
+        engines = self._connected()
+        engines[0].relay_stop(request_id)  # the engine's process relays it to every connection, this one's too
+
+    def engine(self) -> EngineProcess:
+        """One of the engines (the health probe's, the adapter administration's)."""
+        return self._least_loaded()
+
+    def ended(self, stream: EngineStream) -> None:
+        with self._lock:
+            self._live.pop(id(stream), None)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._forwarder.join()
+        with self._lock:
+            engines, self._engines = self._engines, []
+        for engine in engines:
+            engine.shutdown()
+
+    # ------------------------------------------------------------------ the engines
+
+    def _least_loaded(self) -> EngineProcess:
+        return min(self._connected(), key=lambda engine: engine.running())
+
+    def _connected(self) -> list[EngineProcess]:
+        with self._lock:
+            engines = [engine for engine in self._engines if engine.alive()]
+            if not engines:
+                engines = self._join()
+            self._engines = engines
+        if not engines:
+            raise error_of_kind(ErrorKind.UNAVAILABLE, NOT_RUNNING)
+        return engines
+
+    def _join(self) -> list[EngineProcess]:
+        """The engine processes running now for this folder (looked for by their sockets: none is started here)."""
+        engines, seen = [], set()
+        for device in DEVICES:
+            config = process_config(self.folder, device)
+            if config is None:
+                continue
+            path = socket_path(config, self._scope)
+            if path in seen or not path.exists():
+                continue
+            seen.add(path)
+            try:
+                engines.append(EngineProcess(config, self._scope, self._stopped, start=False))
+            except EngineProcessError:
+                continue  # gone meanwhile
+        return engines
+
+    # ------------------------------------------------------------------ from the engines' reader threads
+
+    def _emitted(self, stream: EngineStream, generation: Generation, emission: Emission) -> None:
+        generation.took(emission)
+        if emission.final:
+            request = generation.request
+            self._count(Finished(emission, len(request.input_ids), generation.generated, request.adapter))
+        if generation.sends(emission):
+            stream.emissions.put((generation, emission))
+
+    def _count(self, record: Finished | str) -> None:
+        with self._lock:
+            self._records.append(record)
+
+    def _stopped(self, request_id: str) -> None:
+        """A `stop` request relayed by the engine's process."""
+        with self._lock:
+            streams = [stream for stream in self._live.values() if stream.call.request_id == request_id]
+        for stream in streams:
+            stream.stop()
+
+    def _forward_records(self) -> None:
+        while not self._closed.wait(RECORDS_SECONDS):
+            with self._lock:
+                records, self._records = self._records, []
+                engines = list(self._engines)
+            if records and engines:
+                engines[0].forward_records(records)
+
+
+def client_for(repository: Path, engine_model: str) -> EngineClient | None:
+    """A client of the engine's process when `engine_model`'s engine runs in one (the engine's configuration in its
+    latest version folder says so); None when its callers call it through BLS (an engine in the model's process, or
+    NVIDIA's)."""
+    model = repository / engine_model
+    versions = sorted((int(p.name) for p in model.iterdir() if p.name.isdigit()), reverse=True)
+    if not versions or process_config(model / str(versions[0]), "cpu") is None:
+        return None
+    config = read_config(model / "config.pbtxt")
+    params = {key: value.string_value for key, value in config.parameters.items()}
+    return EngineClient(model / str(versions[0]), EngineSettings.of(params, config.max_batch_size))
