@@ -240,11 +240,10 @@ class EngineConfig:
         "response per token per stream does not take the generation loop's interpreter lock",
     )
     engine_instances: int = option(
-        1,
+        0,
         "with the engine in a process of its own, instances of the engine model, each sending its own requests' "
-        "responses with its own interpreter lock from the one engine they share; 0: as many as the text models. "
-        "More than one makes a deadlock of the engine's callers through BLS (tensorrt_llm_bls, the ensemble's bridge) "
-        "under load likely (docs/troubleshooting.md)",
+        "responses with its own interpreter lock from the one engine they share; 0: as many as the text models "
+        "(one per four cores of the build host, 2 to 8) with the engine in a process of its own, else 1",
         limits=(0, 64),
     )
     prefix_cache: bool = option(
@@ -418,7 +417,7 @@ class BlockingGenerate:
 def check_engine_instances(instances: int, engine_process: bool) -> None:
     """Several engine-model instances share an engine in a process of its own; in the model's process, each would
     load one."""
-    if instances != 1 and not engine_process:
+    if instances > 1 and not engine_process:
         raise ConfigError(
             f"--engine-instances {instances} needs the engine in a process of its own (--engine-process): in the "
             "model's process each instance would load the engine"

@@ -38,16 +38,6 @@ from tritonllm.repository.plan import (
 from tritonllm.repository.render import RepositoryError, templates_digest, write_repository
 from tritonllm.text.tokenizer import resolved_class
 
-# tritonserver 2.51's Python backend (and its upstream stub code) can deadlock a BLS caller of a decoupled model:
-# ResponseIterator::Next takes the GIL holding its iterator's lock, the stub's response thread takes that lock
-# holding the iterators' map lock, and `exec` takes the map lock holding the GIL. Several engine-model instances make
-# it likely under load (docs/performance.md, "Several engine-model instances").
-ENGINE_INSTANCES_WARNING = (
-    "build_engines.py: warning: {} engine-model instances: under load tensorrt_llm_bls and ensemble (its bridge) can "
-    "stall for good, a deadlock in tritonserver 2.51's Python backend that two instances make likely "
-    "(docs/troubleshooting.md); the engine model itself and the OpenAI layer's direct path do not go through BLS"
-)
-
 
 def default_engine_dir(build_dir: Path, model_dir: Path, args: argparse.Namespace) -> Path:
     options = trtllm_options(args)
@@ -272,6 +262,4 @@ def main(argv: list[str] | None = None) -> int:
         f"{plan.dtype}, max batch {plan.max_batch_size}, max input {plan.max_input_len}, "
         f"max sequence {plan.max_seq_len} tokens."
     )
-    if "engine_instance_count" in plan.template_values() and plan.engine_instances > 1:
-        print(ENGINE_INSTANCES_WARNING.format(plan.engine_instances), file=sys.stderr)
     return 0

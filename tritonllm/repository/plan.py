@@ -96,10 +96,13 @@ class BuildPlan:
     def engine_instances(self) -> int:
         """Instances of the engine model (--engine-instances, checked by check_engine_instances): more than one only
         with the engine in a process of its own, which they share (tritonllm/engine/process.py), each a response
-        sender with its own interpreter lock; 0 asks for as many as of the text models."""
+        sender with its own interpreter lock; 0 asks for as many as of the text models there, else one."""
         config = self.engine_config
-        asked = config.engine_instances if config is not None else self.details.get("engine_instances", 1)
-        return asked or self.text_instances
+        if config is not None:
+            asked, own_process = config.engine_instances, config.engine_process
+        else:
+            asked, own_process = self.details.get("engine_instances", 1), self.details.get("engine_process", False)
+        return asked or (self.text_instances if own_process else 1)
 
     @property
     def engine_model(self) -> str:
@@ -257,12 +260,14 @@ def plan_synthetic(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
     from transformers import AutoConfig, AutoTokenizer
 
     max_input_len = input_len(args, args.max_seq_len, f"--max-seq-len {args.max_seq_len}")
-    check_engine_instances(args.engine_instances, bool(args.engine_process))
+    # It stands for the portable engine on CUDA, and takes its defaults: the step loop in a process of its own.
+    engine_process = args.engine_process is not False
+    check_engine_instances(args.engine_instances, engine_process)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = SyntheticConfig(
         text_ids=tuple(tokenizer(PASSAGE, add_special_tokens=False)["input_ids"]),
         max_batch_size=args.max_batch_size or 16,
-        engine_process=bool(args.engine_process),  # the portable engine's option: where its step loop runs
+        engine_process=engine_process,  # the portable engine's option: where its step loop runs
         **{f.name: getattr(args, f.name) for f in option_fields(SyntheticConfig)},
     )
     return BuildPlan(

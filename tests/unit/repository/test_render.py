@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 from dataclasses import asdict
@@ -261,7 +262,9 @@ def test_engine_process_follows_the_device_unless_asked(manifest, monkeypatch, a
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     plan = plan_portable(Path(manifest["model_dir"]), None, parse_args(argv))
     assert engine_json(plan)["engine_process"] == expected
-    assert plan.template_values()["engine_instance_count"] == "1"  # unless --engine-instances says
+    # Unless --engine-instances says: several instances send the responses of an engine in a process of its own.
+    instances = str(plan.text_instances) if expected == "true" else "1"
+    assert plan.template_values()["engine_instance_count"] == instances
 
 
 @pytest.mark.parametrize(
@@ -283,12 +286,15 @@ def test_engine_instances_share_an_engine_in_its_own_process(manifest, argv, exp
     assert plan.template_values()["engine_instance_count"] == wanted
 
 
-@pytest.mark.parametrize("instances", [1, 2])
-def test_several_engine_instances_are_built_with_the_bls_deadlock_said(manifest, tmp_path, capsys, instances):
-    argv = ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(tmp_path / "build")]
-    assert main([*argv, "--engine-process", "--engine-instances", str(instances)]) == 0
-    said = "warning: 2 engine-model instances: under load tensorrt_llm_bls and ensemble" in capsys.readouterr().err
-    assert said == (instances > 1)
+@pytest.mark.parametrize(("argv", "process", "instances"), [([], True, "text"), (["--no-engine-process"], False, "1")])
+def test_the_synthetic_engine_takes_the_cuda_engines_defaults(manifest, tmp_path, argv, process, instances):
+    """It stands for the portable engine on CUDA: its step loop in a process of its own, several instances in front."""
+    build = tmp_path / "build"
+    assert main(["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(build), *argv]) == 0
+    engine = build / "model_repository" / "tensorrt_llm_decoupled"
+    assert json.loads((engine / "1" / "synthetic_engine.json").read_text())["engine_process"] is process
+    count = str(text_instances(os.cpu_count() or 2)) if instances == "text" else instances
+    assert f"count: {count} kind: KIND_CPU" in (engine / "config.pbtxt").read_text()
 
 
 @pytest.mark.parametrize(("argv", "expected"), [([], "false"), (["--compile"], "true")])
