@@ -91,3 +91,19 @@ def test_many_streams_and_whole_answers_at_once_all_finish(synthetic):
     direct = (synthetic.repository / DECOUPLED_ENGINE_MODEL / "1" / "synthetic_engine.json").read_text()
     handed = engine_model_requests(synthetic) - before
     assert handed == 0 if '"engine_process": true' in direct else handed >= 192
+
+
+def test_a_stop_string_and_a_client_that_leaves_end_the_engines_work(synthetic):
+    """tensorrt_llm_bls stops the engine's request at a stop string, and when its client goes away; its seat is
+    then free (the batch of 4 takes the next requests at once)."""
+    grpc_url = f"{synthetic.host}:{synthetic.grpc_port}"
+    whole = generate("Tell me", 60, url=synthetic.http_url, chat=False)
+    word = whole.split()[5]
+    chunks = list(stream("Tell me", 60, url=grpc_url, chat=False, stop=[word]))
+    text = "".join(c.text for c in chunks)
+    assert text == whole[: whole.index(word)] and chunks[-1].finish_reason == "stop"
+    for _ in range(8):  # more than the batch: each left stream's seat must come back
+        left = stream("Tell me", 400, url=grpc_url, chat=False)
+        next(left)
+        left.close()
+    assert generate("Tell me", 60, url=synthetic.http_url, chat=False, timeout=60) == whole

@@ -120,6 +120,55 @@ class _BlsStream:
                 log_error(f"tensorrt_llm_bls: stopping engine request {self.request_id}: {response.error().message()}")
 
 
+def _cancelled():
+    return pb_utils.InferenceResponse(
+        error=pb_utils.TritonError("request was cancelled", pb_utils.TritonError.CANCELLED)
+    )
+
+
+class _Carry:
+    """One request's engine responses through its pipeline: each response's delta to the outbox as it comes, the
+    engine's work stopped once a stop string or the client ends it (its responses then drained for the perf metrics
+    of its last), and the final response. On the request's worker thread (a BLS call), or on the reader thread of the
+    engine's own process (EngineClient's `listener`: no thread waits per request)."""
+
+    def __init__(self, outbox: Outbox, pipeline: StreamedRequest, state: _Request) -> None:
+        self.outbox, self.pipeline, self.state = outbox, pipeline, state
+        self.stopping = False
+        self.last: dict[str, np.ndarray] = {}  # the engine's latest response: its perf metrics are the request's
+
+    def take(self, outputs: dict[str, np.ndarray]) -> None:
+        state, pipeline = self.state, self.pipeline
+        state.answered = True
+        self.last = outputs
+        if self.stopping:
+            return  # drain until the engine's final response
+        delta = pipeline.push(outputs)
+        if delta is not None:
+            self.outbox.put(state, delta)
+        if pipeline.stopped or state.cancelled:  # even if the sender thread did: its stop may have come first
+            state.engine.stop()
+            self.stopping = True
+
+    def perf(self) -> dict[str, np.ndarray]:
+        return {name: self.last[name] for name in PERF_OUTPUTS if name in self.last} if self.pipeline.perf else {}
+
+    def end(self, error: Exception | None) -> None:
+        """The engine's work is over (with `error`, unless it came after the stop): the final response."""
+        state = self.state
+        try:
+            if error is not None and not self.stopping:
+                raise error
+            if state.cancelled:
+                raise _Cancelled
+            response = pb_utils.InferenceResponse(to_tensors(self.pipeline.final(self.perf()), state.wanted))
+        except _Cancelled:
+            response = _cancelled()
+        except Exception as exc:
+            response = error_response(exc)
+        self.outbox.put(state, response)
+
+
 class StreamingModel:
     def initialize(self, args: dict) -> None:
         config = model_config(args)
@@ -207,47 +256,38 @@ class StreamingModel:
     def _generate(self, arrays: dict[str, np.ndarray], state: _Request) -> None:
         try:
             state.pipeline = pipeline = self.parts.request(arrays)
-            perf = self._run_engine(pipeline, state)
+            carry = _Carry(self.outbox, pipeline, state)
+            if self.client is not None:  # the engine's own process: its reader thread carries the request on
+                wanted = set(pipeline.engine_outputs())
+                state.engine = self.client.prepare(pipeline.engine_inputs(), wanted=wanted, listener=carry)
+                state.engine.start()
+                return
+            perf = self._run_engine(pipeline, state, carry)
             response = pb_utils.InferenceResponse(to_tensors(pipeline.final(perf), state.wanted))
         except _Cancelled:
-            response = pb_utils.InferenceResponse(
-                error=pb_utils.TritonError("request was cancelled", pb_utils.TritonError.CANCELLED)
-            )
+            response = _cancelled()
         except Exception as exc:
             response = error_response(exc)
         self.outbox.put(state, response)
 
-    def _run_engine(self, pipeline: StreamedRequest, state: _Request) -> dict[str, np.ndarray]:
-        """Streams the engine's responses through the pipeline, queueing its deltas; returns the perf metrics of
-        the engine's final response (which a stopped request still waits for) when the request asked for them."""
+    def _run_engine(
+        self, pipeline: StreamedRequest, state: _Request, carry: _Carry | None = None
+    ) -> dict[str, np.ndarray]:
+        """Streams the engine model's responses (a BLS call) through the pipeline on this worker thread; returns the
+        perf metrics of the engine's final response (which a stopped request still waits for) when asked for."""
+        carry = carry or _Carry(self.outbox, pipeline, state)
+        request_id = str(next(self._ids))
         inputs, outputs = pipeline.engine_inputs(), pipeline.engine_outputs()
-        if self.client is not None:  # the engine's own process, as the engine model's instances reach it
-            state.engine = self.client.open(inputs, wanted=set(outputs))
-        else:
-            request_id = str(next(self._ids))
-            state.engine = _BlsStream(self.engine_model, request_id, inputs, outputs, self.in_band, state.iterators)
-        stopping = False
-        last: dict[
-            str, np.ndarray
-        ] = {}  # with perf: the engine's latest response, whose perf metrics are the request's
+        state.engine = _BlsStream(self.engine_model, request_id, inputs, outputs, self.in_band, state.iterators)
         try:
             for response in state.engine:
-                state.answered = True
-                last = response
-                if stopping:
-                    continue  # drain until the engine's final response
-                delta = pipeline.push(response)
-                if delta is not None:
-                    self.outbox.put(state, delta)
-                if pipeline.stopped or state.cancelled:  # even if the sender thread did: its stop may have come first
-                    state.engine.stop()
-                    stopping = True
+                carry.take(response)
         except Exception:
-            if not stopping:
+            if not carry.stopping:
                 raise  # an error after the stop ends the request: nothing more will come
         if state.cancelled:
             raise _Cancelled
-        return {name: last[name] for name in PERF_OUTPUTS if name in last} if pipeline.perf else {}
+        return carry.perf()
 
     def finalize(self) -> None:
         # Queued requests are served too: each is owed a final response, which a cancelled one never gets.

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -42,14 +43,48 @@ DEVICES = ("cpu", *(f"cuda:{index}" for index in range(16)))
 RECORDS_SECONDS = 0.2  # how often finished requests are forwarded to the instance that counts them
 
 
-class EngineStream:
-    """One call's responses as the engine model's output arrays, in order, on the caller's thread."""
+class Listener(Protocol):
+    """Takes a call's responses on the engine's reader thread, as they come (EngineClient.open's `listener`)."""
 
-    def __init__(self, client: EngineClient, engine: EngineProcess) -> None:
+    def take(self, outputs: dict[str, np.ndarray]) -> None: ...
+
+    def end(self, error: Exception | None) -> None: ...
+
+
+class EngineStream:
+    """One call's responses as the engine model's output arrays, in order: iterated on the caller's thread, or handed
+    to a `Listener` on the engine's reader thread, where a stream of tokens costs no thread switch per token."""
+
+    def __init__(self, client: EngineClient, engine: EngineProcess, listener: Listener | None) -> None:
         self.client = client
         self.engine = engine
+        self.listener = listener
         self.call: Call | None = None  # set once read (its sender is this stream)
         self.emissions: queue.SimpleQueue = queue.SimpleQueue()
+        self._over = False  # the listener was told the end
+
+    def deliver(self, generation: Generation, emission: Emission) -> None:
+        """An emission, to the listener (on the engine's reader thread); what the listener raises ends the call."""
+        if self._over:
+            return
+        call = self.call
+        try:
+            if emission.error:
+                raise emission.failure()
+            if emission.final:
+                call.open -= 1
+            outputs = generation_outputs(generation, emission)
+            if outputs is not None:
+                self.listener.take(outputs)
+            if call.open:
+                return
+            error = None
+        except Exception as exc:
+            self.stop()
+            error = exc
+        self._over = True
+        self.client.ended(self)
+        self.listener.end(error)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """Each response's arrays; the call's error (a TritonLLMError of its kind) is raised. A stream's emissions
@@ -84,6 +119,23 @@ class EngineStream:
                 runs.append((generation, [emission]))
         return [(generation, Emission.join(run) if len(run) > 1 else run[0]) for generation, run in runs]
 
+    def start(self) -> None:
+        """Hands the call's generations to the engine; once this returns, a listener is told the end, whatever it
+        is (raised here: it never started)."""
+        call, engine = self.call, self.engine
+        try:
+            for generation in call.generations:
+                generation.submitted = time.perf_counter()
+                generation.engine_id = engine.submit(
+                    generation.request, lambda e, g=generation: self.client.emitted(self, g, e)
+                )
+        except BaseException:
+            self.stop()
+            self.client.ended(self)
+            raise
+        if call.cancelled:  # stopped while being handed over (a relayed `stop`, a client that left)
+            self.stop()
+
     def stop(self) -> None:
         """Ends the engine's work on the call at once (TensorRT-LLM's `stop`): its generations end with what they
         have, and the stream with them."""
@@ -112,10 +164,23 @@ class EngineClient:
         self._forwarder.start()
 
     def open(self, arrays: dict[str, np.ndarray], request_id: str = "", wanted: set[str] | None = None) -> EngineStream:
-        """A `tensorrt_llm` request's arrays, handed to the engine: its stream of responses. Raises InputError as
-        the engine model refuses, ServerBusy past its bound, and an UNAVAILABLE error when no engine runs."""
+        """`prepare`, then `start`: the stream, to iterate."""
+        stream = self.prepare(arrays, request_id, wanted)
+        stream.start()
+        return stream
+
+    def prepare(
+        self,
+        arrays: dict[str, np.ndarray],
+        request_id: str = "",
+        wanted: set[str] | None = None,
+        listener: Listener | None = None,
+    ) -> EngineStream:
+        """A `tensorrt_llm` request's arrays as a stream of responses (to `listener`, when given), not yet handed to
+        the engine. Raises InputError as the engine model refuses, ServerBusy past its bound, and an UNAVAILABLE
+        error when no engine runs."""
         try:
-            stream = EngineStream(self, self._least_loaded())
+            stream = EngineStream(self, self._least_loaded(), listener)
             stream.call = call = new_call(arrays, self.settings, self.adapters, stream, request_id, wanted)
             admit(stream.engine, len(call.generations), self.settings.capacity)
         except Exception as exc:
@@ -123,18 +188,6 @@ class EngineClient:
             raise
         with self._lock:
             self._live[id(stream)] = stream
-        try:
-            for generation in call.generations:
-                generation.submitted = time.perf_counter()
-                generation.engine_id = stream.engine.submit(
-                    generation.request, lambda e, g=generation: self._emitted(stream, g, e)
-                )
-        except BaseException:
-            stream.stop()
-            self.ended(stream)
-            raise
-        if call.cancelled:  # stopped by a relayed `stop` while being handed over
-            stream.stop()
         return stream
 
     def stop(self, request_id: str) -> None:
@@ -192,12 +245,17 @@ class EngineClient:
 
     # ------------------------------------------------------------------ from the engines' reader threads
 
-    def _emitted(self, stream: EngineStream, generation: Generation, emission: Emission) -> None:
+    def emitted(self, stream: EngineStream, generation: Generation, emission: Emission) -> None:
+        """An emission of one of `stream`'s generations, on the engine's reader thread."""
         generation.took(emission)
         if emission.final:
             request = generation.request
             self._count(Finished(emission, len(request.input_ids), generation.generated, request.adapter))
-        if generation.sends(emission):
+        if not generation.sends(emission):
+            return
+        if stream.listener is not None:
+            stream.deliver(generation, emission)
+        else:
             stream.emissions.put((generation, emission))
 
     def _count(self, record: Finished | str) -> None:
