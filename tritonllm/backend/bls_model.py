@@ -29,7 +29,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.backend.admission import BoundedWorkers
-from tritonllm.backend.engine_client import EngineStream, client_for
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.triton_glue import (
     FINAL,
@@ -45,6 +44,7 @@ from tritonllm.backend.triton_glue import (
     to_tensors,
 )
 from tritonllm.errors import InputError, ServerBusy
+from tritonllm.link.engine_client import EngineStream, client_for
 from tritonllm.protocol import ERRORS_IN_BAND, GENERATION_ERROR, PERF_OUTPUTS, stop_request_tensors
 from tritonllm.text.model_config import flag, read_config
 from tritonllm.text.pipeline import Delta, Parts, StreamedRequest

@@ -18,9 +18,6 @@ import triton_python_backend_utils as pb_utils
 
 from tritonllm.backend.adapter_admin import AdapterAdmin, lora_action
 from tritonllm.backend.admission import BoundedWorkers
-from tritonllm.backend.engine_calls import answer_stop
-from tritonllm.backend.engine_client import client_for
-from tritonllm.backend.engine_io import stack_rows
 from tritonllm.backend.triton_glue import (
     ENGINE_PARAMETER_INPUTS,
     FINAL,
@@ -36,6 +33,9 @@ from tritonllm.backend.triton_glue import (
 )
 from tritonllm.engine.health import EngineHealth
 from tritonllm.errors import InputError
+from tritonllm.link.engine_calls import answer_stop
+from tritonllm.link.engine_client import client_for
+from tritonllm.link.engine_io import stack_rows
 from tritonllm.text.model_config import read_config
 from tritonllm.text.wire import scalar
 

@@ -24,19 +24,7 @@ from pathlib import Path
 import triton_python_backend_utils as pb_utils
 
 from tritonllm.backend.adapter_admin import AdapterAdmin, lora_action
-from tritonllm.backend.engine_calls import (
-    Call,
-    EngineSettings,
-    Generation,
-    admit,
-    answer_stop,
-    engine_config,
-    engine_scope,
-    generation_outputs,
-    new_call,
-    process_config,
-)
-from tritonllm.backend.metrics import EngineMetrics, Finished, error_label
+from tritonllm.backend.metrics import EngineMetrics
 from tritonllm.backend.outbox import Outbox
 from tritonllm.backend.triton_glue import (
     ENGINE_PARAMETER_INPUTS,
@@ -64,6 +52,20 @@ from tritonllm.engine.llmapi_config import LLM_API_CONFIG_FILE
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, ErrorKind
+from tritonllm.link.engine_calls import (
+    Call,
+    EngineSettings,
+    Finished,
+    Generation,
+    admit,
+    answer_stop,
+    engine_config,
+    engine_scope,
+    error_label,
+    generation_outputs,
+    new_call,
+    process_config,
+)
 from tritonllm.text.wire import scalar
 
 CANCEL_CHECK_SECONDS = 0.2  # and the period of the load gauges

@@ -18,31 +18,12 @@ from dataclasses import dataclass
 
 import triton_python_backend_utils as pb_utils
 
-from tritonllm.engine.api import Emission
-from tritonllm.errors import ErrorKind
+from tritonllm.link.engine_calls import Finished, error_label
 from tritonllm.protocol import FINISH_REASONS
 
 TTFT_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 TPOT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0]
-ERROR_KINDS = ("invalid_input", "server_busy", "generation_failed")
-
-
-def error_label(kind: ErrorKind | None) -> str:
-    """The errors counter's label for a request answered with an error of `kind` (triton_glue.error_kind): the
-    client's fault, the engine being full, or anything else (an engine failure or a bug of ours)."""
-    if kind in (ErrorKind.INVALID_INPUT, ErrorKind.TOO_LARGE):
-        return "invalid_input"
-    return "server_busy" if kind is ErrorKind.BUSY else "generation_failed"
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A request the engine finished, as the metrics count it."""
-
-    emission: Emission  # its final emission: finish reason and timings
-    input_tokens: int
-    output_tokens: int
-    adapter: str = ""  # its LoRA adapter's name; "" for the base model
+ERROR_KINDS = ("invalid_input", "server_busy", "generation_failed")  # engine_calls.error_label's
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class Penalties:
     seen token's logit is divided by it when positive, multiplied when negative). presence / frequency:
     logit -= presence * [count > 0] + frequency * count, before the temperature, where count is over the generated
     tokens (OpenAI's rule), or with count_prompt over the prompt's too (TensorRT-LLM's, which applies them after
-    the temperature: tritonllm/backend/engine_io.py scales them for that). min_tokens: the end id is banned until
+    the temperature: tritonllm/link/engine_io.py scales them for that). min_tokens: the end id is banned until
     this many tokens are generated (MinNewTokensLengthLogitsProcessor).
     """
 

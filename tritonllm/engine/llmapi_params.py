@@ -96,7 +96,7 @@ def sampling_kwargs(request: GenerationRequest, rules: SamplerRules) -> dict:
         kwargs["repetition_penalty"] = penalties.repetition
     if penalties.presence or penalties.frequency:
         # The engine request's are for before the temperature (the engine model scaled a TensorRT-LLM-rule request's
-        # by its temperature, tritonllm/backend/engine_io.py): a sampler that subtracts them after dividing the
+        # by its temperature, tritonllm/link/engine_io.py): a sampler that subtracts them after dividing the
         # logits by the temperature gets them divided by the temperature this draw uses. A greedy request is sent no
         # temperature: its values stay as they are, which keeps the engine flavor's argmax. OpenAI's rule counts the
         # generated tokens only: prompt_ignore_length leaves the prompt's out.

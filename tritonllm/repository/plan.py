@@ -399,7 +399,7 @@ def plan_llm_api(model_dir: Path, args: argparse.Namespace) -> BuildPlan:
         max_seq_len=max_seq_len,
         vocab_size=text_config.vocab_size,
         max_queue_size=args.max_queue_size,
-        # The engine model counts KV cache blocks in tokens (tritonllm/backend/engine_io.py perf_outputs), the LLM
+        # The engine model counts KV cache blocks in tokens (tritonllm/link/engine_io.py perf_outputs), the LLM
         # API's reused blocks turned into the tokens they hold: kv_cache_block_tokens stays 1.
         # One instance: the LLM places its ranks on the GPUs itself (NVIDIA's llmapi model is KIND_CPU, count 1).
         engine_values={"engine_instance_kind": "KIND_CPU"},

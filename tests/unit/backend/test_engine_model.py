@@ -22,10 +22,10 @@ import pytest
 
 from tests.polling import eventually
 from tests.unit.backend import fake_pb_utils
-from tritonllm.backend.engine_calls import EngineSettings
 from tritonllm.engine.adapters import AdapterTable
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, Emission, GenerationRequest
 from tritonllm.errors import ErrorKind, InputError
+from tritonllm.link.engine_calls import EngineSettings
 from tritonllm.protocol import (
     ERRORS_IN_BAND,
     FINISH_CANCELLED,
@@ -238,7 +238,7 @@ def test_an_error_is_counted_under_the_kind_it_is_answered_with(model, pb_utils,
     [(response, _)] = bad.sender.sent
     assert response.error().code() == pb_utils.TritonError.INVALID_ARG
     assert drain(model._finished) == ["invalid_input"]
-    from tritonllm.backend import engine_calls
+    from tritonllm.link import engine_calls
 
     monkeypatch.setattr(engine_calls, "parse_requests", lambda arrays, limits, adapters: {}["a bug"])
     buggy = request(pb_utils, [1, 2])
@@ -869,7 +869,7 @@ def test_guided_calls_queued_at_unload_each_get_a_final_error(model, pb_utils, m
 def test_a_final_response_that_fails_to_build_ends_its_call_with_an_error(started, pb_utils, monkeypatch):
     """The outbox only logs what its sender raises: the client would wait for a final response forever. The other
     calls go on."""
-    from tritonllm.backend import engine_calls
+    from tritonllm.link import engine_calls
 
     broken, other = request(pb_utils, [1, 2], **STREAMING), request(pb_utils, [3, 4], **STREAMING)
     started.execute([broken, other])

@@ -17,7 +17,7 @@ def metrics(monkeypatch):
 
 
 def test_a_flush_increments_each_counter_once_and_observes_each_request(metrics):
-    from tritonllm.backend.metrics import Finished
+    from tritonllm.link.engine_calls import Finished
 
     finished = [
         Finished(
@@ -58,7 +58,8 @@ def test_every_metric_carries_the_instances_device(metrics):
 
 def test_each_adapter_counts_its_own_requests_and_tokens(monkeypatch):
     fake_pb_utils.install(monkeypatch)
-    from tritonllm.backend.metrics import EngineMetrics, Finished
+    from tritonllm.backend.metrics import EngineMetrics
+    from tritonllm.link.engine_calls import Finished
 
     metrics = EngineMetrics("tensorrt_llm", "1", "cpu", ["banana", "cherry"])
     metrics.record(

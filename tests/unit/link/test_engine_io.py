@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from tritonllm.backend.engine_io import pack_outputs, perf_outputs, sampling_params
-from tritonllm.backend.engine_io import parse_requests as parse_indexed
 from tritonllm.errors import InputError
+from tritonllm.link.engine_io import pack_outputs, perf_outputs, sampling_params
+from tritonllm.link.engine_io import parse_requests as parse_indexed
 from tritonllm.protocol import MAX_WORD_SEQUENCES, PERF_OUTPUTS
 from tritonllm.text.wire import Limits, word_list
 

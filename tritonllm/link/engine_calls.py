@@ -1,6 +1,6 @@
 """The engine model's requests, whoever carries them: a Triton request to `tensorrt_llm` (tritonllm/backend/
 engine_model.py), or one that `tensorrt_llm_bls` or the bridge hands straight to the engine's own process
-(tritonllm/backend/engine_client.py). Each is read here into a `Call` of engine requests by the same rules
+(tritonllm/link/engine_client.py). Each is read here into a `Call` of engine requests by the same rules
 (engine_io.parse_requests), admitted against the same bound, and each emission of the engine becomes the same
 outputs, so the two ways in answer alike.
 """
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tritonllm.backend.engine_io import RowTimes, exclude_input, pack_outputs, parse_requests, perf_outputs
 from tritonllm.engine.adapters import AdapterTable
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, LLAMACPP, BlockingGenerate, Emission, EngineConfig
 from tritonllm.engine.health import EngineHealth
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig
-from tritonllm.errors import EngineFailure, InputError, ServerBusy
+from tritonllm.errors import EngineFailure, ErrorKind, InputError, ServerBusy
+from tritonllm.link.engine_io import RowTimes, exclude_input, pack_outputs, parse_requests, perf_outputs
 from tritonllm.protocol import ERRORS_IN_BAND, HEALTH_PROBE_ID, KV_EVENTS_ENV
 from tritonllm.text.model_config import flag
 from tritonllm.text.wire import Limits, scalar
@@ -73,6 +73,24 @@ def process_config(folder: Path, device: str) -> EngineConfig | SyntheticConfig 
         return None
     config = engine_config(folder, device)
     return config if config.engine_process and config.impl != LLAMACPP else None
+
+
+def error_label(kind: ErrorKind | None) -> str:
+    """The errors counter's label for a request answered with an error of `kind` (triton_glue.error_kind): the
+    client's fault, the engine being full, or anything else (an engine failure or a bug of ours)."""
+    if kind in (ErrorKind.INVALID_INPUT, ErrorKind.TOO_LARGE):
+        return "invalid_input"
+    return "server_busy" if kind is ErrorKind.BUSY else "generation_failed"
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request the engine finished, as the metrics count it."""
+
+    emission: Emission  # its final emission: finish reason and timings
+    input_tokens: int
+    output_tokens: int
+    adapter: str = ""  # its LoRA adapter's name; "" for the base model
 
 
 @dataclass(eq=False)

@@ -21,21 +21,22 @@ from typing import Protocol
 
 import numpy as np
 
-from tritonllm.backend.engine_calls import (
-    Call,
-    EngineSettings,
-    Generation,
-    admit,
-    engine_scope,
-    generation_outputs,
-    new_call,
-    process_config,
-)
-from tritonllm.backend.metrics import Finished, error_label
 from tritonllm.engine.adapters import AdapterTable
 from tritonllm.engine.api import Emission
 from tritonllm.engine.process import NOT_RUNNING, EngineProcess, EngineProcessError, socket_path
 from tritonllm.errors import ErrorKind, TritonLLMError, error_of_kind
+from tritonllm.link.engine_calls import (
+    Call,
+    EngineSettings,
+    Finished,
+    Generation,
+    admit,
+    engine_scope,
+    error_label,
+    generation_outputs,
+    new_call,
+    process_config,
+)
 from tritonllm.text.model_config import read_config
 
 # The devices whose engine process a client looks for: one per GPU an engine-model instance runs on, or the CPU.

@@ -1,5 +1,5 @@
-"""Unit: tensorrt_llm_bls and the bridge as clients of the engine's own process (backend.engine_client), against a
-real child process running the synthetic engine, as the engine model's instance starts it."""
+"""Unit: the fronts as clients of the engine's own process (link.engine_client), against a real child process
+running the synthetic engine, as the engine model's instance starts it."""
 
 from __future__ import annotations
 
@@ -10,21 +10,16 @@ import numpy as np
 import pytest
 
 from tests.polling import eventually
-from tests.unit.backend import fake_pb_utils
-from tritonllm.backend.engine_calls import EngineSettings, engine_scope
 from tritonllm.engine.process import EngineProcess, runtime_dir
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ErrorKind, InputError, ServerBusy
+from tritonllm.link.engine_calls import EngineSettings, engine_scope
+from tritonllm.link.engine_client import EngineClient
 from tritonllm.protocol import FINISH_LENGTH
 from tritonllm.text.wire import Limits
 
 TEXT = tuple(range(100, 140))
 SETTINGS = EngineSettings(Limits(max_input_len=64, max_seq_len=128, vocab_size=200), True, 4)
-
-
-@pytest.fixture
-def pb_utils(monkeypatch):
-    return fake_pb_utils.install(monkeypatch)
 
 
 @pytest.fixture
@@ -61,9 +56,7 @@ def tokens_of(responses: list[dict]) -> list[int]:
     return [t for r in responses for t in r["output_ids"].reshape(-1)[: int(r["sequence_length"].reshape(-1)[0])]]
 
 
-def test_a_client_gets_the_engine_models_outputs_streamed_and_whole(pb_utils, folder, instance):
-    from tritonllm.backend.engine_client import EngineClient
-
+def test_a_client_gets_the_engine_models_outputs_streamed_and_whole(folder, instance):
     client = EngineClient(folder, SETTINGS)
     records: list = []
     instance._on_records = records.extend  # the instance that reports the engine's metrics gets the client's
@@ -89,9 +82,7 @@ def instance_request(ids, tokens):
     return GenerationRequest(input_ids=ids, max_new_tokens=tokens)
 
 
-def test_a_client_refuses_as_the_engine_model_does(pb_utils, folder, instance):
-    from tritonllm.backend.engine_client import EngineClient
-
+def test_a_client_refuses_as_the_engine_model_does(folder, instance):
     client = EngineClient(folder, SETTINGS)
     try:
         with pytest.raises(InputError) as refused:
@@ -107,9 +98,7 @@ def test_a_client_refuses_as_the_engine_model_does(pb_utils, folder, instance):
         client.close()
 
 
-def test_a_stop_relayed_through_the_engines_process_ends_a_clients_stream(pb_utils, folder, instance):
-    from tritonllm.backend.engine_client import EngineClient
-
+def test_a_stop_relayed_through_the_engines_process_ends_a_clients_stream(folder, instance):
     client = EngineClient(folder, SETTINGS)
     try:
         long = client.open(arrays([1], 120, streaming=np.array([[True]])), request_id="long")
@@ -122,9 +111,7 @@ def test_a_stop_relayed_through_the_engines_process_ends_a_clients_stream(pb_uti
         client.close()
 
 
-def test_without_an_engine_process_a_client_answers_unavailable_and_leaves_nothing(pb_utils, folder):
-    from tritonllm.backend.engine_client import EngineClient
-
+def test_without_an_engine_process_a_client_answers_unavailable_and_leaves_nothing(folder):
     before = set(runtime_dir().iterdir())
     client = EngineClient(folder, SETTINGS)
     try:
