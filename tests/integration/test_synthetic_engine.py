@@ -8,14 +8,17 @@ instances and, without BLS calls, by tensorrt_llm_bls and the bridge) and in the
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import openai as openai_errors
 import pytest
 import tritonclient.grpc as grpcclient
+from openai import OpenAI
 
 from client import GenerationError, generate, stream
-from tritonllm.launch.tritonserver import TritonServer
+from tritonllm.launch.tritonserver import OpenAIFrontend, TritonServer, free_port
 from tritonllm.protocol import DECOUPLED_ENGINE_MODEL, infer_inputs
 from tritonllm.repository.builder import main as build_main
 
@@ -66,6 +69,11 @@ def test_a_control_it_cannot_honour_is_refused_by_name(synthetic):
         generate("Hello", 8, url=synthetic.http_url, temperature=0.7, top_p=0.9)
 
 
+def in_own_process(server) -> bool:
+    config = server.repository / DECOUPLED_ENGINE_MODEL / "1" / "synthetic_engine.json"
+    return json.loads(config.read_text())["engine_process"]
+
+
 def engine_model_requests(server) -> int:
     """The requests Triton handed the engine model (its inference statistics)."""
     with grpcclient.InferenceServerClient(f"{server.host}:{server.grpc_port}") as client:
@@ -88,9 +96,8 @@ def test_many_streams_and_whole_answers_at_once_all_finish(synthetic):
     with ThreadPoolExecutor(48) as pool:
         texts = list(pool.map(one, range(192)))
     assert len(set(texts)) == 1 and texts[0]
-    direct = (synthetic.repository / DECOUPLED_ENGINE_MODEL / "1" / "synthetic_engine.json").read_text()
     handed = engine_model_requests(synthetic) - before
-    assert handed == 0 if '"engine_process": true' in direct else handed >= 192
+    assert handed == 0 if in_own_process(synthetic) else handed >= 192
 
 
 def test_a_stop_string_and_a_client_that_leaves_end_the_engines_work(synthetic):
@@ -107,3 +114,42 @@ def test_a_stop_string_and_a_client_that_leaves_end_the_engines_work(synthetic):
         next(left)
         left.close()
     assert generate("Tell me", 60, url=synthetic.http_url, chat=False, timeout=60) == whole
+
+
+@pytest.fixture(scope="module")
+def synthetic_openai(synthetic, tmp_path_factory):
+    """The OpenAI layer in front of each build: a client of the engine's own process where there is one."""
+    manifest = json.loads((synthetic.repository.parent / "manifest.json").read_text())
+    openai = OpenAIFrontend.for_build(
+        f"{synthetic.host}:{synthetic.grpc_port}",
+        manifest,
+        free_port(),
+        log_file=tmp_path_factory.mktemp("openai") / "openai.log",
+        repository=str(synthetic.repository),
+    )
+    openai.start()
+    yield OpenAI(base_url=f"{openai.url}/v1", api_key="unused"), openai
+    openai.stop()
+    assert "Traceback" not in openai.log_file.read_text()
+
+
+def test_the_openai_layer_reaches_the_engine_as_the_engine_model_does(synthetic, synthetic_openai):
+    client, _ = synthetic_openai
+    model = client.models.list().data[0].id
+    ask = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24}
+    before = engine_model_requests(synthetic)
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and whole.usage.completion_tokens == 24
+    assert chunks[-1].usage.completion_tokens == 24
+    word = streamed.split()[2]
+    stopped = client.chat.completions.create(**{**ask, "stop": [word]})
+    assert (
+        stopped.choices[0].finish_reason == "stop"
+        and stopped.choices[0].message.content == streamed[: streamed.index(word)]
+    )
+    with pytest.raises(openai_errors.BadRequestError, match="temperature"):  # refused by name, as through Triton
+        client.chat.completions.create(**{**ask, "temperature": 0.7, "top_p": 0.9})
+    handed = engine_model_requests(synthetic) - before
+    assert handed == 0 if in_own_process(synthetic) else handed >= 3

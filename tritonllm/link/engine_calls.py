@@ -46,10 +46,10 @@ class EngineSettings:
         )
 
 
-def engine_scope(folder: Path) -> str:
-    """What the instances of one server's engine model share an engine's process by: a stub's parent process is the
-    server, and a container's host name its own."""
-    return f"{socket.gethostname()}:{os.getppid()}:{folder.resolve()}"
+def engine_scope(folder: Path, server_pid: int | None = None) -> str:
+    """What the instances of one server's engine model share an engine's process by: the server's process (a stub's
+    parent, unless given) and a container's host name."""
+    return f"{socket.gethostname()}:{server_pid or os.getppid()}:{folder.resolve()}"
 
 
 def engine_config(folder: Path, device: str) -> EngineConfig:

@@ -151,11 +151,11 @@ class EngineClient:
     """The engine processes that the engine model's instances in the version `folder` run (one per device), joined
     on first use and again once gone; a call goes to the least loaded."""
 
-    def __init__(self, folder: Path, settings: EngineSettings) -> None:
+    def __init__(self, folder: Path, settings: EngineSettings, server_pid: int | None = None) -> None:
         self.folder = folder
         self.settings = settings
         self.adapters = AdapterTable()  # an engine in a process of its own serves none
-        self._scope = engine_scope(folder)
+        self._scope = engine_scope(folder, server_pid)  # a stub's server is its parent
         self._lock = threading.Lock()
         self._engines: list[EngineProcess] = []
         self._live: dict[int, EngineStream] = {}
@@ -279,14 +279,14 @@ class EngineClient:
                 engines[0].forward_records(records)
 
 
-def client_for(repository: Path, engine_model: str) -> EngineClient | None:
+def client_for(repository: Path, engine_model: str, server_pid: int | None = None) -> EngineClient | None:
     """A client of the engine's process when `engine_model`'s engine runs in one (the engine's configuration in its
-    latest version folder says so); None when its callers call it through BLS (an engine in the model's process, or
-    NVIDIA's)."""
+    latest version folder says so) for the server `server_pid` (a stub's parent when None); None when its callers
+    call the engine model through Triton (an engine in the model's process, or NVIDIA's)."""
     model = repository / engine_model
     versions = sorted((int(p.name) for p in model.iterdir() if p.name.isdigit()), reverse=True)
     if not versions or process_config(model / str(versions[0]), "cpu") is None:
         return None
     config = read_config(model / "config.pbtxt")
     params = {key: value.string_value for key, value in config.parameters.items()}
-    return EngineClient(model / str(versions[0]), EngineSettings.of(params, config.max_batch_size))
+    return EngineClient(model / str(versions[0]), EngineSettings.of(params, config.max_batch_size), server_pid)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -22,6 +23,7 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import np_to_triton_dtype
 
 from tritonllm.errors import TritonLLMError
+from tritonllm.openai.engine_process import EngineProcessRoute
 from tritonllm.openai.errors import triton_error
 from tritonllm.openai.models import USAGE_PERF_OUTPUT, APIError
 from tritonllm.protocol import PERF_OUTPUTS, infer_inputs, stop_request_tensors
@@ -35,10 +37,12 @@ def grpc_inputs(arrays: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
 
 
 class EngineStreams:
-    """Streams each choice from the engine model, with the pipeline run in this process."""
+    """Streams each choice from the engine model, with the pipeline run in this process: from the engine's own
+    process directly where the engine runs in one on this host (engine_process.py), else over gRPC."""
 
-    def __init__(self, parts: Parts, engine_model: str) -> None:
+    def __init__(self, parts: Parts, engine_model: str, repository: Path | None = None, grpc_url: str = "") -> None:
         self.parts, self.engine_model = parts, engine_model
+        self.process = EngineProcessRoute(repository, engine_model, grpc_url) if repository is not None else None
 
     def request(
         self, arrays: dict[str, np.ndarray], prompt_ids: list[int] | None = None, token_ids: bool = False
@@ -53,7 +57,9 @@ class EngineStreams:
         self, client: grpcaio.InferenceServerClient, pipeline: StreamedRequest
     ) -> AsyncIterator[dict[str, np.ndarray]]:
         """The choice's responses as tensorrt_llm_bls's tensors: text deltas, then the final response's."""
-        async with contextlib.aclosing(self.deltas(client, pipeline)) as deltas:  # closed at once if we stop early
+        engine = self.process.client() if self.process is not None else None
+        deltas = self.deltas(client, pipeline) if engine is None else self.process.deltas(engine, pipeline)
+        async with contextlib.aclosing(deltas) as deltas:  # closed at once if we stop early
             async for delta in deltas:
                 yield pipeline.delta_tensors(delta)
         yield pipeline.final(pipeline.perf_metrics)

@@ -46,8 +46,11 @@ def error_kind(error: InferenceServerException) -> ErrorKind:
 
 def triton_error(error: InferenceServerException) -> APIError:
     """Triton's error as OpenAI's, with its kind's status: a client's mistake is never a 500."""
-    kind = error_kind(error)
-    message = error.message() or str(error)
+    return api_error(error_kind(error), error.message() or str(error))
+
+
+def api_error(kind: ErrorKind, message: str) -> APIError:
+    """An error of `kind` as OpenAI's (Triton's, or the engine's own when the layer reaches it directly)."""
     if kind is ErrorKind.BUSY:
         return APIError(kind, message, code="server_busy")
     if kind is ErrorKind.UNAVAILABLE:

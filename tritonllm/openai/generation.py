@@ -59,7 +59,8 @@ class Generator:
         if settings.repository:
             repository = Path(settings.repository)
             ensemble, engine_model, skip_special_tokens = streaming_parameters(repository)
-            self.direct = EngineStreams(Parts.load(repository, ensemble, skip_special_tokens), engine_model)
+            parts = Parts.load(repository, ensemble, skip_special_tokens)
+            self.direct = EngineStreams(parts, engine_model, repository, settings.grpc_url)
             tokenizer = self.direct.parts.preprocessor.tokenizer  # the preprocessing model's, loaded once
         else:
             tokenizer = load_tokenizer(settings.tokenizer_dir, settings.tokenizer_class)
