@@ -44,6 +44,17 @@ DEVICES = ("cpu", *(f"cuda:{index}" for index in range(16)))
 RECORDS_SECONDS = 0.2  # how often finished requests are forwarded to the instance that counts them
 
 
+def _joined(emissions: list[Emission]) -> list[Emission]:
+    """Consecutive joinable emissions of one generation, each run as one."""
+    runs: list[list[Emission]] = []
+    for emission in emissions:
+        if runs and Emission.joinable(runs[-1][-1], emission):
+            runs[-1].append(emission)
+        else:
+            runs.append([emission])
+    return [Emission.join(run) if len(run) > 1 else run[0] for run in runs]
+
+
 class Listener(Protocol):
     """Takes a call's responses on the engine's reader thread, as they come (EngineClient.open's `listener`)."""
 
@@ -88,37 +99,45 @@ class EngineStream:
         self.listener.end(error)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
-        """Each response's arrays; the call's error (a TritonLLMError of its kind) is raised. A stream's emissions
-        that queued up while the caller was busy come as one response, as the engine model joins them."""
-        call = self.call
+        """Each response's arrays, on the caller's thread; the call's error (a TritonLLMError of its kind) is
+        raised."""
         try:
-            while call.open:
-                for generation, emission in self._next_run():
-                    if emission.error:
-                        raise emission.failure()
-                    if emission.final:
-                        call.open -= 1
-                    outputs = generation_outputs(generation, emission)
-                    if outputs is not None:
-                        yield outputs
+            while not self.done:
+                items = [self.emissions.get()]
+                while True:
+                    try:
+                        items.append(self.emissions.get_nowait())
+                    except queue.Empty:
+                        break
+                yield from self.convert(items)
         finally:
             self.client.ended(self)
 
-    def _next_run(self) -> list[tuple[Generation, Emission]]:
-        """The emissions queued now (waiting for one), a generation's consecutive joinable ones joined."""
-        items = [self.emissions.get()]
-        while True:
-            try:
-                items.append(self.emissions.get_nowait())
-            except queue.Empty:
-                break
-        runs: list[tuple[Generation, list[Emission]]] = []
+    @property
+    def done(self) -> bool:
+        return self.call.open == 0
+
+    def convert(self, items: list[tuple[Generation, Emission]]) -> Iterator[dict[str, np.ndarray]]:
+        """The arrays of emissions taken from `emissions` (raising the call's error): a generation's that queued up
+        while its caller was busy come as one response, as the engine model joins them, so a busy caller does less
+        work per token, not more."""
+        call = self.call
+        runs: dict[int, tuple[Generation, list[Emission]]] = {}
         for generation, emission in items:
-            if runs and runs[-1][0] is generation and Emission.joinable(runs[-1][1][-1], emission):
-                runs[-1][1].append(emission)
-            else:
-                runs.append((generation, [emission]))
-        return [(generation, Emission.join(run) if len(run) > 1 else run[0]) for generation, run in runs]
+            runs.setdefault(id(generation), (generation, []))[1].append(emission)
+        for generation, emissions in runs.values():
+            for emission in _joined(emissions):
+                if emission.error:
+                    raise emission.failure()
+                if emission.final:
+                    call.open -= 1
+                outputs = generation_outputs(generation, emission)
+                if outputs is not None:
+                    yield outputs
+
+    def close(self) -> None:
+        """A caller that consumed `convert` itself is done with the stream."""
+        self.client.ended(self)
 
     def start(self) -> None:
         """Hands the call's generations to the engine; once this returns, a listener is told the end, whatever it
@@ -176,12 +195,16 @@ class EngineClient:
         request_id: str = "",
         wanted: set[str] | None = None,
         listener: Listener | None = None,
+        emissions=None,
     ) -> EngineStream:
         """A `tensorrt_llm` request's arrays as a stream of responses (to `listener`, when given), not yet handed to
         the engine. Raises InputError as the engine model refuses, ServerBusy past its bound, and an UNAVAILABLE
-        error when no engine runs."""
+        error when no engine runs. `emissions`: where the emissions go for a caller that `convert`s them itself (any
+        object with a thread-safe `put`; a queue that `__iter__` reads by default)."""
         try:
             stream = EngineStream(self, self._least_loaded(), listener)
+            if emissions is not None:
+                stream.emissions = emissions
             stream.call = call = new_call(arrays, self.settings, self.adapters, stream, request_id, wanted)
             admit(stream.engine, len(call.generations), self.settings.capacity)
         except Exception as exc:

@@ -19,8 +19,6 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import numpy as np
-
 from tritonllm.errors import ErrorKind, TritonLLMError
 from tritonllm.link.engine_client import EngineClient, client_for
 from tritonllm.openai.errors import api_error
@@ -65,9 +63,9 @@ def server_pid(grpc_url: str) -> int | None:
     return None
 
 
-class _Responses:
-    """A choice's responses, from the engine's reader thread to the event loop: one wake-up for all that came
-    while the loop was busy (an EngineClient listener)."""
+class _Emissions:
+    """A choice's emissions, from the engine's reader thread to the event loop: one wake-up for all that came while
+    the loop was busy (EngineClient.prepare's `emissions`), converted there, joined per generation."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -75,17 +73,8 @@ class _Responses:
         self._items: list = []
         self._woken = asyncio.Event()
         self._pending = False
-        self.error: Exception | None = None
-        self.ended = False
 
-    def take(self, outputs: dict[str, np.ndarray]) -> None:
-        self._put(outputs)
-
-    def end(self, error: Exception | None) -> None:
-        self.error = error
-        self._put(None)
-
-    def _put(self, item) -> None:
+    def put(self, item) -> None:
         with self._lock:
             self._items.append(item)
             wake, self._pending = not self._pending, True
@@ -93,7 +82,7 @@ class _Responses:
             self.loop.call_soon_threadsafe(self._woken.set)
 
     async def next_run(self) -> list:
-        """What came since the last call (None for the end), waiting for something."""
+        """What came since the last call, waiting for something."""
         await self._woken.wait()
         with self._lock:
             items, self._items, self._pending = self._items, [], False
@@ -135,10 +124,10 @@ class EngineProcessRoute:
     async def deltas(self, client: EngineClient, pipeline: StreamedRequest) -> AsyncIterator[Delta]:
         """The choice's deltas from the engine's process; as the gRPC path, a stop string ends the engine's work and
         its final response's perf metrics are still awaited (into `pipeline.perf_metrics`)."""
-        responses = _Responses(asyncio.get_running_loop())
+        emissions = _Emissions(asyncio.get_running_loop())
         wanted = {n for n in pipeline.engine_outputs() if n not in PERF_OUTPUTS or n == USAGE_PERF_OUTPUT}
         try:
-            stream = client.prepare(pipeline.engine_inputs(), wanted=wanted, listener=responses)
+            stream = client.prepare(pipeline.engine_inputs(), wanted=wanted, emissions=emissions)
             stream.start()
         except TritonLLMError as exc:
             if exc.kind is ErrorKind.UNAVAILABLE:
@@ -147,27 +136,27 @@ class EngineProcessRoute:
         pipeline.abort = stream.stop
         stopping, last = False, {}
         try:
-            while not responses.ended:
-                for outputs in await responses.next_run():
-                    if outputs is None:
-                        responses.ended = True
-                        break
-                    last = outputs
-                    if stopping:
-                        continue
-                    delta = pipeline.push(outputs)
-                    if delta is not None:
-                        yield delta
-                    if pipeline.stopped:
-                        stream.stop()
-                        stopping = True
-            if responses.error is not None and not stopping:
-                error = responses.error
-                kind = error.kind if isinstance(error, TritonLLMError) else ErrorKind.INTERNAL
-                raise api_error(kind, str(error))
+            while not stream.done:
+                items = await emissions.next_run()
+                try:
+                    for outputs in stream.convert(items):
+                        last = outputs
+                        if stopping:
+                            continue
+                        delta = pipeline.push(outputs)
+                        if delta is not None:
+                            yield delta
+                        if pipeline.stopped:
+                            stream.stop()
+                            stopping = True
+                except TritonLLMError as exc:
+                    if not stopping:  # an error after the stop ends the choice: nothing more will come
+                        raise api_error(exc.kind, str(exc)) from None
+                    break
             if pipeline.perf:
                 pipeline.perf_metrics = {name: last[name] for name in PERF_OUTPUTS if name in last}
         finally:
             pipeline.abort = None
-            if not responses.ended:  # the client went away: the engine's work ends now
+            if not stream.done:  # the client went away: the engine's work ends now
                 stream.stop()
+            stream.close()
