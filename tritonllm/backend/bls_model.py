@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +51,7 @@ from tritonllm.text.model_config import flag, read_config
 from tritonllm.text.pipeline import Delta, Parts, StreamedRequest
 
 CANCEL_CHECK_SECONDS = 0.2
+DRAIN_SECONDS = 30.0  # at unload, how long requests carried by the engine's process may take to finish
 
 
 class _Cancelled(Exception):
@@ -292,6 +294,11 @@ class StreamingModel:
     def finalize(self) -> None:
         # Queued requests are served too: each is owed a final response, which a cancelled one never gets.
         self.workers.shutdown(wait=True)
-        self.outbox.close()
         if self.client is not None:
+            # Those the engine's process carries finish too, for a while; then closing fails the rest, their errors
+            # queued for the outbox before it stops.
+            deadline = time.monotonic() + DRAIN_SECONDS
+            while self._live and time.monotonic() < deadline:
+                time.sleep(0.05)
             self.client.close()
+        self.outbox.close()
