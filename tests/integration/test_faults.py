@@ -293,12 +293,13 @@ def streamed(prompt: str, url: str, chunks: list, timeout: float) -> None:
 
 @pytest.fixture(scope="module")
 def faulting_build(tmp_path_factory, manifest) -> tuple[Path, Path]:
-    """The synthetic engine (10 ms a step) with its fault injection armed by a file (tritonllm/engine/synthetic.py):
-    no step raises until a test creates the file, and the step that raises removes it."""
+    """The synthetic engine (10 ms a step) in the engine model's process, with its fault injection armed by a file
+    (tritonllm/engine/synthetic.py): no step raises until a test creates the file, and the step that raises removes
+    it. (A killed engine process is test_killed_engine_fails_in_flight_requests_and_serving_comes_back's.)"""
     folder = tmp_path_factory.mktemp("faulting")
     build, armed = folder / "build", folder / "fault-armed"
     argv = ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(build)]
-    assert build_main([*argv, "--step-ms", "10", "--max-seq-len", "2048"]) == 0
+    assert build_main([*argv, "--no-engine-process", "--step-ms", "10", "--max-seq-len", "2048"]) == 0
     path = build / "model_repository" / DECOUPLED_ENGINE_MODEL / "1" / SYNTHETIC_CONFIG_FILE
     config = json.loads(path.read_text())
     path.write_text(json.dumps({**config, "fault_at_step": 1, "fault_file": str(armed)}))
