@@ -19,7 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from tritonllm.engine.adapters import AdapterTable
-from tritonllm.engine.api import ENGINE_CONFIG_FILE, LLAMACPP, BlockingGenerate, Emission, EngineConfig
+from tritonllm.engine.api import (
+    ENGINE_CONFIG_FILE,
+    LLAMACPP,
+    BlockingGenerate,
+    Emission,
+    EngineConfig,
+    GenerationRequest,
+)
 from tritonllm.engine.health import EngineHealth
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import EngineFailure, ErrorKind, InputError, ServerBusy
@@ -123,7 +130,7 @@ class Generation:
     """One engine request of a call, answered with responses of its own."""
 
     call: Call
-    request: object  # GenerationRequest
+    request: GenerationRequest
     batch_index: int
     sequence_index: int
     engine_id: str = ""

@@ -79,16 +79,10 @@ class EngineStream:
         """An emission, to the listener (on the engine's reader thread); what the listener raises ends the call."""
         if self._over:
             return
-        call = self.call
         try:
-            if emission.error:
-                raise emission.failure()
-            if emission.final:
-                call.open -= 1
-            outputs = generation_outputs(generation, emission)
-            if outputs is not None:
+            for outputs in self.convert([(generation, emission)]):
                 self.listener.take(outputs)
-            if call.open:
+            if not self.done:
                 return
             error = None
         except Exception as exc:
