@@ -4,9 +4,9 @@ HTTP /infer and gRPC ModelInfer refuse decoupled models, and a decoupled step wo
 ensemble decoupled. So, as NVIDIA's `decoupled_mode: false` deployment, `tensorrt_llm` answers each
 request once: this non-decoupled model forwards it to the decoupled engine model (`tensorrt_llm_decoupled`,
 which tensorrt_llm_bls streams from) and answers with the engine's final response: to the engine's own process
-where it runs in one (engine_client.py), else through BLS. A batch is sent row by row and answered in row order.
-Its `execute` returns at once and a worker thread answers through the response sender, so one instance keeps every
-request in flight at the same time (a plain `execute` would run them one after another).
+where it runs in one (tritonllm/link/engine_client.py), else through BLS. A batch is sent row by row and answered
+in row order. Its `execute` returns at once and a worker thread answers through the response sender, so one
+instance keeps every request in flight at the same time (a plain `execute` would run them one after another).
 """
 
 from __future__ import annotations

@@ -81,8 +81,8 @@ def load_engine(
     on_records: Callable[[list], None] = lambda records: None,
 ) -> tuple[BlockingGenerate, str]:
     """The engine the build configured in the model's version folder, and what it is, for the log. An engine in a
-    process of its own is shared by the model's instances on the same device of the same server, and reached by
-    tensorrt_llm_bls and the bridge too (engine_client.py); it calls `on_stop` for the `stop` requests any of them
+    process of its own is shared by the model's instances on the same device of the same server, and reached by the
+    other fronts too (tritonllm/link/engine_client.py); it calls `on_stop` for the `stop` requests any of them
     received, and `on_records` with the metrics records of the others in the one that reports them."""
     own = process_config(folder, device)
     if own is not None:

@@ -1,9 +1,9 @@
-"""`tensorrt_llm_bls` and the bridge (`tensorrt_llm`'s face) as clients of the engine's own process.
+"""`tensorrt_llm_bls`, the bridge (`tensorrt_llm`'s face) and the OpenAI layer as clients of the engine's own process.
 
-Where the engine runs in a process of its own (tritonllm/engine/process.py; the default on CUDA), these models reach
-it as the engine model's instances do, over its socket, not through decoupled BLS calls to the engine model: a
-response costs one hop less, and with no BLS call the several engine-model instances that carry the engine's rate
-cannot deadlock them (a lock-order bug of tritonserver 2.51's BLS calls, docs/troubleshooting.md). A request is read
+Where the engine runs in a process of its own (tritonllm/engine/process.py; the default on CUDA), these fronts reach
+it as the engine model's instances do, over its socket, not through BLS calls (or gRPC) to the engine model: a
+response costs a hop less, and with no BLS call the several engine-model instances that carry the engine's rate
+cannot deadlock them (a lock-order bug of tritonserver 2.51's decoupled BLS calls). A request is read
 into a `Call` by the engine model's rules, admitted against its bound, and each emission becomes the outputs the
 engine model would have sent (engine_calls.py): a caller gets what a BLS call would have answered. `stop` requests
 reach every caller of the engine through its process, and finished requests are counted by the engine model's
