@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from tritonllm.engine.api import TokenLogProbs
-from tritonllm.engine.logits import penalise
+from tritonllm.engine.penalties import penalise
 from tritonllm.engine.sampling import ArgumentGroup, generated_count, prompt_length
 from tritonllm.protocol import MAX_TOP_LOG_PROBS
 
@@ -245,7 +245,7 @@ class PenaltyGroup(ArgumentGroup):
             repeated = (count > 0) | slots.prompt.index_select(0, rows)
         if self._additive:
             presence, frequency = (row.view(torch.float32).unsqueeze(-1) for row in args[3:])
-        return penalise(scores, count, repeated, repetition, presence, frequency)
+        return penalise(scores, count, repeated, repetition, presence, frequency, torch)
 
     def key(self) -> object:
         return self.active and ("penalties", self._repetition, self._additive, self.slots.key())

@@ -8,9 +8,8 @@ want of cache. With the prefix cache on, a finished request's cells stay in the 
 llama.cpp's server keeps a slot's: a new prompt that begins with the same tokens gets the cells of the longest such
 prefix shared into its own sequence and computes only the rest; kept cells give way, oldest first, to a request that
 needs their room or their id. llama.cpp computes the step's logits; the host picks each request's token: the argmax
-of its row; for a request whose only controls are a logit bias and sampling, its row biased and drawn from in numpy
-(tritonllm/engine/row_draw.py); for one with other generation controls, its row processed alone with torch
-(tritonllm/engine/row_controls.py). Streaming, stop words, end id,
+of its row, or, for a request with generation controls, its row processed alone in numpy
+(tritonllm/engine/row_controls.py; torch only for a grammar's mask). Streaming, stop words, end id,
 cancellation and finish reasons are the portable engine's (tritonllm/engine/portable.py).
 
 LoRA adapters (GGUF files, tritonllm/engine/lora_gguf.py) are loaded at start, or while serving between two steps
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import itertools
 import logging
 import os
@@ -48,7 +46,6 @@ from tritonllm.engine.api import (
     Emission,
     EngineConfig,
     GenerationRequest,
-    SamplingParams,
     SubmitRules,
     TokenLogProbs,
 )
@@ -57,7 +54,7 @@ from tritonllm.engine.cpu_threads import start_yielding
 from tritonllm.engine.kv_events import PrefixBlocks, ZmqPublisher
 from tritonllm.engine.lifecycle import Lifecycle
 from tritonllm.engine.llamacpp_lora import LlamaLoras
-from tritonllm.engine.row_draw import draw_request
+from tritonllm.engine.row_controls import RowControls
 from tritonllm.errors import EngineFailure, InputError, TritonLLMError
 from tritonllm.protocol import FINISH_CANCELLED, FINISH_ERROR, KV_EVENT_BLOCK_TOKENS
 
@@ -73,7 +70,7 @@ _LOG_WARN, _LOG_ERROR, _LOG_CONT = 3, 4, 5
 @dataclass(eq=False)
 class _Sequence(Lifecycle):
     request_id: str
-    controls: object | None  # RowControls or _RowChoice, for a request that uses any
+    controls: RowControls | None  # for a request that uses any
     pending: list[int]  # tokens to feed: the prompt, then each generated token
     reserved: int  # KV cache cells held for it: its prompt and its new tokens
     position: int = 0  # tokens in the KV cache
@@ -114,32 +111,6 @@ class _Batch:
         self.size = self.struct.n_tokens = end
 
 
-class _RowChoice:
-    """The commonest controls alone, in numpy, without torch: a logit bias (OpenAI's logit_bias, a banned end token)
-    and sampling (temperature, top_k, top_p, seed). The same choice as RowControls' (a token listed twice gets both
-    values; the end id is banned before min_tokens), without its per-row tensor work."""
-
-    def __init__(self, request: GenerationRequest, vocab_size: int) -> None:
-        self.ids = self.values = None
-        if request.embedding_bias:
-            ids, values = zip(*request.embedding_bias, strict=True)
-            self.ids, self.values = np.array(ids), np.array(values, np.float32)
-        self.request, self.vocab_size = request, vocab_size
-
-    def choose(self, row: np.ndarray, generated: list[int]) -> tuple[int, None]:
-        request, sampling = self.request, self.request.sampling
-        scores = row[: self.vocab_size]
-        if self.ids is not None:
-            scores = scores.copy()
-            np.add.at(scores, self.ids, self.values)
-        if not sampling.sample:
-            return greedy_token(scores, int(scores.argmax()), request, generated), None
-        if len(generated) < request.penalties.min_tokens and 0 <= request.end_id < self.vocab_size:
-            scores = scores.copy() if self.ids is None else scores
-            scores[request.end_id] = -np.inf
-        return draw_request(scores, sampling, len(request.input_ids) + len(generated)), None
-
-
 def greedy_token(scores: np.ndarray, best: int, request: GenerationRequest, generated: list[int]) -> int:
     """`best`, the argmax of `scores`, unless it is the end id before min_tokens: then the next best."""
     if best != request.end_id or len(generated) >= request.penalties.min_tokens:
@@ -147,15 +118,6 @@ def greedy_token(scores: np.ndarray, best: int, request: GenerationRequest, gene
     scores = scores.copy()
     scores[best] = -np.inf
     return int(scores.argmax())
-
-
-def _load_controls() -> None:
-    """Import the controls' path and run one of its operations, which pays torch's first-call costs too."""
-    import torch
-
-    import tritonllm.engine.row_controls  # noqa: F401
-
-    torch.zeros(8).log_softmax(dim=-1)
 
 
 class LlamaCppEngine(BlockingGenerate):
@@ -232,10 +194,6 @@ class LlamaCppEngine(BlockingGenerate):
         self._loop_thread = threading.Thread(target=self._loop, name="llamacpp-engine", daemon=True)
         # The step thread and llama.cpp's CPU threads, which it starts, yield the cores to the stream's other steps.
         start_yielding(self._loop_thread.start, config.cpu_niceness)
-        # The controls' path loads torch (~3 s, ~300 MiB): loaded now, beside the first requests, not by the first
-        # request with a control, whose submit would hold up every request behind it on Triton's execute thread.
-        self.controls_loaded = threading.Thread(target=_load_controls, name="llamacpp-controls", daemon=True)
-        self.controls_loaded.start()
 
     # ------------------------------------------------------------------ requests
 
@@ -275,10 +233,6 @@ class LlamaCppEngine(BlockingGenerate):
     def _controls(self, request: GenerationRequest, request_id: str):
         if not request.uses_controls:
             return None
-        if not dataclasses.replace(request, embedding_bias=(), sampling=SamplingParams()).uses_controls:
-            return _RowChoice(request, self.vocab_size)
-        from tritonllm.engine.row_controls import RowControls  # torch: loading since the start (_load_controls)
-
         follower = None
         if request.guide is not None:
             guides = self._guides_ready()

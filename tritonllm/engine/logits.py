@@ -1,8 +1,9 @@
-"""Operations on a step's logits that every engine shares: the seeded sampling draw, bans and penalties.
+"""Operations on a step's logits that every engine shares: the seeded sampling draw and bans (penalties:
+tritonllm/engine/penalties.py).
 
-Tensor operations of fixed shape without host synchronisation (CUDA graphs capture them), torch only: the
-llama.cpp engine applies them to its logit rows on the CPU without importing transformers; its
-rows' draw is tritonllm/engine/row_draw.py.
+Tensor operations of fixed shape without host synchronisation (CUDA graphs capture them), in torch, for the
+transformers engine's batch; the llama.cpp engine's rows take the same rules in numpy (tritonllm/engine/row_draw.py,
+row_controls.py).
 """
 
 from __future__ import annotations
@@ -61,26 +62,3 @@ def ban(scores: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
     """Sets scores[row, id] to -inf for each id >= 0 of banned [B, N]; ids < 0 are empty places."""
     fill = torch.where(banned >= 0, float("-inf"), float("inf")).to(scores.dtype)
     return scores.scatter_reduce(1, banned.clamp(min=0).long(), fill, reduce="amin")
-
-
-def penalise(
-    scores: torch.Tensor,
-    count: torch.Tensor,
-    repeated: torch.Tensor | None,
-    repetition: torch.Tensor | None,
-    presence: torch.Tensor | None,
-    frequency: torch.Tensor | None,
-) -> torch.Tensor:
-    """Repetition (transformers' RepetitionPenaltyLogitsProcessor), then presence and frequency (OpenAI's: logit -=
-    presence * [count > 0] + frequency * count) penalties. count: float [B, V] of the generated tokens; repeated:
-    bool [B, V], the prompt's and the generated tokens; the penalties [B, 1]. A None penalty is not computed."""
-    if repetition is not None:
-        # transformers' where(score < 0, score * penalty, score / penalty), without a select on the scores'
-        # signs (a branch per element on the CPU): for a penalty >= 1 that is the smaller of the two, else the
-        # larger, the same values.
-        scaled, divided = scores * repetition, scores / repetition
-        penalised = torch.where(repetition >= 1, torch.minimum(scaled, divided), torch.maximum(scaled, divided))
-        scores = torch.where(repeated, penalised, scores)
-    if presence is not None:
-        scores = scores - (frequency * count + presence * (count > 0))
-    return scores

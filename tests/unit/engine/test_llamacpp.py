@@ -24,7 +24,6 @@ from tritonllm.engine.api import (
     Penalties,
     SamplingParams,
 )
-from tritonllm.engine.llamacpp import _RowChoice
 from tritonllm.errors import ConfigError, EngineFailure, InputError
 from tritonllm.protocol import FINISH_LENGTH
 from tritonllm.repository.model_source import default_model_file, retype_gguf
@@ -72,9 +71,9 @@ def engine(manifest, gguf):
     ids=["greedy", "nucleus", "top-k"],
 )
 def test_bias_and_sampling_choose_as_the_controls_path(engine, tokenizer, sampling):
-    """A request whose only controls are a bias and sampling takes a numpy path; asking for log probabilities too
-    sends the same request through RowControls: the tokens agree, and the banned tokens (the plain answer's first
-    ones, each listed twice so the two halves add up) never come; nor does the end id before min_tokens."""
+    """A bias and sampling, with and without log probabilities: the tokens agree (log probabilities are of the raw
+    logits and change no choice), and the banned tokens (the plain answer's first ones, each listed twice so the two
+    halves add up) never come; nor does the end id before min_tokens."""
     ids = chat_ids(tokenizer, PROMPTS[0])
     plain, _ = engine.generate(GenerationRequest(ids, 12), timeout=120)
     bias = tuple((token, -60.0) for token in plain[:3]) * 2
@@ -86,7 +85,6 @@ def test_bias_and_sampling_choose_as_the_controls_path(engine, tokenizer, sampli
         embedding_bias=bias,
         penalties=Penalties(min_tokens=4),
     )
-    assert isinstance(engine._controls(request, "probe"), _RowChoice)
     fast, _ = engine.generate(request, timeout=120)
     controlled, _ = engine.generate(dataclasses.replace(request, log_probs=0), timeout=120)
     assert fast == controlled
@@ -337,25 +335,31 @@ def test_a_guided_submit_refused_after_the_engine_failed_releases_its_matcher(ma
         eng.shutdown()
 
 
-def test_the_controls_path_loads_with_the_engine_not_with_the_first_request_that_needs_it(manifest):
-    """Loading torch for the controls took ~3 s inside the first sampled request's submit, on Triton's execute thread,
-    holding up every request behind it. A fresh interpreter: this one has torch already."""
+def test_no_control_but_a_grammar_loads_torch_in_the_engines_process(manifest):
+    """torch costs the engine's process ~300 MiB and ~3 s to load: a request with every other control (a bias,
+    penalties, bad words, min_tokens, sampling, log probabilities) is served in numpy without it. A fresh
+    interpreter: this one has torch already."""
     gguf = str(retype_gguf(default_model_file(), "float32", BUILD / "models"))
+    config = EngineConfig(
+        manifest["model_dir"], impl=LLAMACPP, gguf_file=gguf, max_batch_size=2, max_seq_len=256, kv_cache_tokens=512
+    ).resolve()
     script = f"""
 import sys
-from tritonllm.engine.api import LLAMACPP, EngineConfig
+from tritonllm.engine.api import EngineConfig, GenerationRequest, Penalties, SamplingParams
 from tritonllm.engine.llamacpp import LlamaCppEngine
-assert "torch" not in sys.modules, "the engine's module itself loads torch"
-config = EngineConfig({manifest["model_dir"]!r}, impl=LLAMACPP, gguf_file={gguf!r}, max_batch_size=2,
-                      max_seq_len=256, kv_cache_tokens=512).resolve()
-engine = LlamaCppEngine(config)
-engine.controls_loaded.join(120)
-print("tritonllm.engine.row_controls" in sys.modules, "torch" in sys.modules)
+engine = LlamaCppEngine(EngineConfig(**{dataclasses.asdict(config)!r}))  # as the engine model loads it
+penalties = Penalties(repetition=1.3, presence=0.5, frequency=0.2, min_tokens=6)
+request = GenerationRequest(
+    [1, 2, 3, 2], 6, end_id=2, penalties=penalties, sampling=SamplingParams(True, 0.8, 20, 0.9, 7),
+    embedding_bias=((5, -3.0),), bad_words=((4, 6),), log_probs=3,
+)
+tokens, reason = engine.generate(request, timeout=120)
+print(len(tokens), "torch" in sys.modules)
 engine.shutdown()
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "True"], done.stdout
+    assert done.stdout.split() == ["6", "False"], done.stdout
 
 
 def test_prefix_cache_publishes_its_kept_blocks_and_their_removal(manifest, tokenizer, tmp_path):

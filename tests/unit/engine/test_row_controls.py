@@ -1,13 +1,12 @@
 """The llama.cpp engine's per-row controls on a hand-made logit row: which token each penalty rule picks."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tests.conftest import ROOT
 from tritonllm.engine.api import GenerationRequest, Penalties
+from tritonllm.engine.penalties import penalise
 from tritonllm.engine.row_controls import RowControls
 
 VOCAB = 8
@@ -46,15 +45,46 @@ def test_frequency_counts_each_occurrence_of_prompt_and_generated_tokens():
     assert choose(Penalties(frequency=0.4), [3, 1, 3], [3]) == 3  # the generated one alone: 2.0 - 0.4
 
 
-def test_importing_or_choosing_leaves_torchs_thread_count_as_it_was():
-    """The llama.cpp engine's rows run torch on one thread; a transformers engine in the same process keeps its
-    (a fresh process: this one has imported the module already)."""
-    script = (
-        "import torch; torch.set_num_threads(2)\n"
-        "from tests.unit.engine.test_row_controls import Penalties, choose\n"
-        "assert choose(Penalties(presence=1.5), [3, 1], []) == 3\n"
-        "print(torch.get_num_threads())"
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    repetition=st.sampled_from([1.0, 0.7, 1.3, 2.0]),
+    presence=st.floats(-2, 2),
+    frequency=st.floats(-2, 2),
+)
+def test_numpy_penalties_are_the_transformers_engines_torch_ones(seed, repetition, presence, frequency):
+    """One rule in two array libraries: a row of the llama.cpp engine (numpy) and a batch row of the transformers
+    engine (torch) come out the same."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(seed)
+    scores = rng.normal(0, 4, (1, 64)).astype(np.float32)
+    count = rng.integers(0, 3, (1, 64)).astype(np.float32)
+    repeated = (count > 0) | (rng.random((1, 64)) < 0.2)
+    ours = penalise(
+        scores[0], count[0], repeated[0], np.float32(repetition), np.float32(presence), np.float32(frequency), np
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["2"]
+    theirs = penalise(
+        *(torch.from_numpy(a) for a in (scores, count, repeated)),
+        *(torch.tensor([[v]], dtype=torch.float32) for v in (repetition, presence, frequency)),
+        torch,
+    )
+    np.testing.assert_allclose(ours, theirs[0].numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_log_probs_are_of_the_raw_row_most_likely_first():
+    request = GenerationRequest([1], 4, log_probs=3, embedding_bias=((5, 10.0),))
+    logits = row()
+    logits[6] = -1.0
+    token, chosen = RowControls(request, VOCAB, None, "r").choose(logits, [])
+    assert token == 5, "the bias decides the token"
+    expected = logits - np.log(np.exp(logits.astype(np.float64)).sum())
+    assert chosen.log_prob == pytest.approx(expected[5], abs=1e-5), "of the raw logits, before the bias"
+    assert [t for t, _ in chosen.top] == [3, 5, 6], "most likely first"
+    assert logits[5] == 1.0, "the row is left as it was"
+
+
+def test_bad_words_and_the_end_id_before_min_tokens_are_banned():
+    request = GenerationRequest([1, 7], 4, end_id=3, penalties=Penalties(min_tokens=1), bad_words=((7, 5),))
+    controls = RowControls(request, VOCAB, None, "r")
+    assert controls.choose(row(), [])[0] not in (3, 5), "the end id before min_tokens; 5 after the prompt's 7"
+    assert controls.choose(row(), [2])[0] == 3, "min_tokens reached, and no 7 before"
