@@ -27,7 +27,7 @@ from tritonllm.repository.builder import main as build_main
 def synthetic(manifest, tmp_path_factory, request):
     build = tmp_path_factory.mktemp("synthetic")
     argv = ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(build)]
-    where = [] if request.param == "engine-process" else ["--no-engine-process"]
+    where = ["--engine-instances", "2"] if request.param == "engine-process" else ["--no-engine-process"]
     assert build_main([*argv, *where, "--step-ms", "1", "--max-batch-size", "4", "--max-seq-len", "512"]) == 0
     server = TritonServer.on_free_ports(build, log_file=build / "server.log")
     server.start(timeout=300)

@@ -243,7 +243,7 @@ class EngineConfig:
         0,
         "with the engine in a process of its own, instances of the engine model, each sending its own requests' "
         "responses with its own interpreter lock from the one engine they share; 0: as many as the text models "
-        "(one per four cores of the build host, 2 to 8) with the engine in a process of its own, else 1",
+        "(one per four cores of the build host, 1 to 8) with the engine in a process of its own, else 1",
         limits=(0, 64),
     )
     prefix_cache: bool = option(

@@ -37,10 +37,11 @@ class BuildError(ConfigError):
 
 def text_instances(cores: int) -> int:
     """Instances of preprocessing, postprocessing, tensorrt_llm_bls and the bridge: one per four cores of the build
-    host, at least two and at most eight. Each is a process with its own GIL: preprocessing and postprocessing run one
+    host, at least one and at most eight. Each is a process with its own GIL: preprocessing and postprocessing run one
     batch at a time, and one tensorrt_llm_bls process, GIL-bound, carried ~35,000 streamed tokens/s on the
-    H200 host's cores (docs/performance.md)."""
-    return max(2, min(8, cores // 4))
+    H200 host's cores (docs/performance.md). Each also holds the tokenizer (~130 MiB): a small host, whose engine
+    makes a few hundred tokens a second, gets one of each."""
+    return max(1, min(8, cores // 4))
 
 
 @dataclass(frozen=True)

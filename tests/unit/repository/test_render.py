@@ -410,7 +410,7 @@ def test_the_build_writes_the_engine_config_once_as_engine_json(manifest, tmp_pa
 
 
 def test_tokenizer_instances_follow_the_build_hosts_cores():
-    assert [text_instances(cores) for cores in (1, 2, 8, 12, 16, 64)] == [2, 2, 2, 3, 4, 8]
+    assert [text_instances(cores) for cores in (1, 2, 8, 12, 16, 64)] == [1, 1, 2, 3, 4, 8]
     assert VALUES["preprocessing_instance_count"] == VALUES["postprocessing_instance_count"] == str(PLAN.text_instances)
     assert DECOUPLED_VALUES["postprocessing_instance_count"] == "1", "responses keep their order (PLAN's docstring)"
     assert VALUES["bls_instance_count"] == VALUES["bridge_instance_count"] == str(PLAN.text_instances)
