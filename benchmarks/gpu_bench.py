@@ -438,9 +438,11 @@ async def served(
     sampled=False,
     streaming=True,
     ends: list[float] | None = None,
+    leaving: frozenset[int] = frozenset(),
 ) -> dict:
     """Streams through tensorrt_llm_bls, or (streaming=False) whole answers from the ensemble.
-    `ends` collects each request's end time as it finishes (what a stalled run got done)."""
+    `ends` collects each request's end time as it finishes (what a stalled run got done); the streams numbered in
+    `leaving` cancel their call after its first response, as a client that goes away does."""
     import tritonclient.grpc as grpcclient
     import tritonclient.grpc.aio as grpcaio
 
@@ -449,6 +451,7 @@ async def served(
     client = grpcaio.InferenceServerClient(grpc_url)
     jobs = iter(range(len(ids_text)))
     counts, firsts, rates = [], [], []  # rates: a stream's tokens/s after its first
+    left = []
     ends = [] if ends is None else ends
 
     async def one(i: int) -> None:
@@ -478,11 +481,17 @@ async def served(
             firsts.append(time.perf_counter() - start)  # whole answers: the time to the last token
             ends.append(time.perf_counter())
             return
-        async for result, error in client.stream_infer(requests()):
+        call = client.stream_infer(requests())
+        async for result, error in call:
             if error is not None:
                 raise RuntimeError(error.message())
             if first is None:
                 first = time.perf_counter() - start
+            if i in leaving:
+                call.cancel()
+                left.append(i)
+                ends.append(time.perf_counter())
+                return
             n = result.as_numpy("num_output_tokens")
             if n is not None:
                 counts.append(int(n.reshape(-1)[0]))
@@ -502,6 +511,7 @@ async def served(
     return {
         "output_tokens_per_s": round(sum(counts) / elapsed, 1),
         "requests": len(counts),
+        **({"left": len(left)} if leaving else {}),
         "ttft_p50_ms": round(float(np.percentile(firsts, 50)) * 1000, 1),
         **({"decode_tokens_per_s": round(float(np.percentile(rates, 50)), 1)} if rates else {}),
         "seconds": round(elapsed, 2),
