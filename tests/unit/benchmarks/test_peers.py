@@ -37,3 +37,18 @@ def test_the_report_prints_median_range_and_verdict_per_load():
     assert f"{head} sampled | tokens/s c=1 | 0.92 | 0.90 to 0.94 | behind |" in report
     assert f"{head} greedy | first token p50, ms | +0.0 | +0.0 to +0.0 | within noise |" in report
     assert "- ours, OpenAI /v1/completions, F32: c=1 0.86x" in report  # sampled over greedy, ours
+
+
+def test_memory_is_compared_round_by_round_against_the_target():
+    """Ours' largest figure of each round over llama-server's: at or under 1.5 in every round is ahead of it."""
+    ours = [
+        Row("ours", "OpenAI /v1/completions", "F32", "greedy", c, n, peak_rss_mib=rss, peak_pss_mib=pss)
+        for n, c, rss, pss in [(1, 1, 1400, 1200), (1, 16, 1500, 1300), (2, 1, 1450, 1250), (2, 16, 1480, 1260)]
+    ]
+    theirs = [Row("llama.cpp", "OpenAI /v1/completions", "F32", "greedy", 1, n, peak_rss_mib=1000.0) for n in (1, 2)]
+    for row in theirs:
+        row.peak_pss_mib = 1000.0
+    args = SimpleNamespace(max_tokens=16, rounds=2, concurrency=16, loads=["greedy"])
+    report = markdown(ours + theirs, {}, {}, args)
+    assert "| ours | llama.cpp | F32 | all | peak RSS / theirs, <= 1.5 | 1.49 | 1.48 to 1.50 | within noise |" in report
+    assert "| ours | llama.cpp | F32 | all | peak PSS / theirs, <= 1.5 | 1.28 | 1.26 to 1.30 | ahead |" in report
