@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         "over gRPC (no HTTP /infer); default: tensorrt_llm and the ensemble answer request/response (HTTP /infer, "
         "gRPC ModelInfer) and tensorrt_llm_bls streams",
     )
+    parser.add_argument(
+        "--text-instances",
+        type=int,
+        default=0,
+        help="instances of preprocessing, postprocessing, tensorrt_llm_bls and the bridge, each a process with its "
+        "own interpreter lock and tokenizer (default: one per four cores of the build host, 1 to 8)",
+    )
     parser.add_argument("--max-seq-len", type=int, default=4096, help="prompt + generated tokens (capped by the model)")
     parser.add_argument(
         "--max-input-len", type=int, default=0, help="prompt tokens (default: portable 3/4, trtllm 1/2 of max-seq-len)"
@@ -228,8 +235,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.engine_only:
                 return 0
             plan = plan_trtllm(model_dir, engine_dir, args)
+        if args.text_instances < 0:
+            raise BuildError(f"--text-instances {args.text_instances}: at least 1 (0: one per four cores)")
         plan = dataclasses.replace(
-            plan, tokenizer_class=tokenizer_class(plan.model_dir), decoupled_mode=args.decoupled_mode
+            plan,
+            tokenizer_class=tokenizer_class(plan.model_dir),
+            decoupled_mode=args.decoupled_mode,
+            text_instances=args.text_instances or plan.text_instances,
         )
         files = dict(plan.files)
         if plan.engine_config is not None:

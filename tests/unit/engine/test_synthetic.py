@@ -147,3 +147,13 @@ def test_an_injected_fault_without_a_file_fires_at_its_step_on_every_start():
                 engine.generate(GenerationRequest([1], max_new_tokens=5), timeout=10)
         finally:
             engine.shutdown()
+
+
+def test_text_instances_are_asked_for_apart_from_the_engine_models(manifest, tmp_path):
+    argv = ["--engine", "synthetic", "--model", manifest["model_dir"], "--build-dir", str(tmp_path)]
+    assert build_main([*argv, "--text-instances", "3", "--engine-process", "--engine-instances", "2"]) == 0
+    repository = tmp_path / "model_repository"
+    for model in ("preprocessing", "postprocessing", "tensorrt_llm_bls", "tensorrt_llm"):
+        assert "count: 3 kind: KIND_CPU" in (repository / model / "config.pbtxt").read_text(), model
+    assert "count: 2 kind: KIND_CPU" in (repository / "tensorrt_llm_decoupled" / "config.pbtxt").read_text()
+    assert build_main([*argv, "--text-instances", "-1"]) == 2
