@@ -235,7 +235,9 @@ class EngineProcess(BlockingGenerate):
         return self._load.steps
 
     def alive(self) -> bool:
-        return self._ended is None
+        """The child runs and, at its latest report, so does its engine's step loop (the health probe's first
+        question: "the generation loop has stopped")."""
+        return self._ended is None and self._load.alive
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """This instance's requests fail, as the engines' own shutdown fails them, and its connection closes; the

@@ -75,6 +75,7 @@ class Load(NamedTuple):
     everyone: int = 0  # requests of every connection
     ours: int = 0  # this connection's
     others: int = 1  # open connections but this one, if it is closing
+    alive: bool = True  # the engine's step loop runs: a failed step stops it while the child lives on
 
 
 def lock_file(socket_path: Path) -> Path:
@@ -328,6 +329,7 @@ class EngineServer:
                 engine.steps(),
                 *self.requests.load(number),
                 self.connections(),
+                engine.alive(),
             )
             try:
                 conn.send((EMISSIONS, emissions, tuple(load), relayed))

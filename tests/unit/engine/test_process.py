@@ -220,6 +220,9 @@ class CompilingEngine:
     def steps(self) -> int:
         return 0
 
+    def alive(self) -> bool:
+        return True
+
     def shutdown(self) -> None:
         pass
 

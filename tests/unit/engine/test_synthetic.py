@@ -8,6 +8,7 @@ import pytest
 from tests.polling import eventually
 from tests.unit.engine.conftest import emissions_of, submitted
 from tritonllm.engine.api import Emission, GenerationRequest, Guide, Penalties, SamplingParams
+from tritonllm.engine.health import EngineHealth
 from tritonllm.engine.process import EngineProcess
 from tritonllm.engine.synthetic import SYNTHETIC_CONFIG_FILE, SyntheticConfig, SyntheticEngine
 from tritonllm.errors import EngineFailure, InputError
@@ -137,6 +138,20 @@ def test_an_injected_fault_fires_once_its_file_exists_and_fails_requests_through
             engine.submit(GenerationRequest([2], max_new_tokens=4), lambda e: None)
     finally:
         engine.shutdown()
+
+
+def test_a_step_fault_in_the_engines_own_process_ends_its_life_there_too():
+    """The child outlives its engine's failed step: its reports say the loop stopped, so the health probe's first
+    question is answered as with the engine in the caller's process."""
+    child = EngineProcess(SyntheticConfig(TEXT, step_ms=1, fault_at_step=3, engine_process=True))
+    try:
+        assert child.alive()
+        with pytest.raises(RuntimeError, match="injected fault at step 3"):
+            child.generate(GenerationRequest([1], max_new_tokens=50), timeout=10)
+        assert eventually(lambda: not child.alive(), timeout=5), "the child's reports say its loop stopped"
+        assert EngineHealth(child).problem() == "the engine's generation loop has stopped"
+    finally:
+        child.shutdown()
 
 
 def test_an_injected_fault_without_a_file_fires_at_its_step_on_every_start():
