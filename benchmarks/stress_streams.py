@@ -37,13 +37,12 @@ def leavers(streams: int, share: float) -> frozenset[int]:
     return frozenset(i for i in range(streams) if int((i + 1) * share) > int(i * share))
 
 
-def finished(server) -> dict[str, float]:
-    samples = metric_samples(server.metrics())
+def finished(samples: dict[str, float]) -> dict[str, float]:
     return {r: metric_value(samples, "tritonllm_requests_finished_total", finish_reason=r) for r in FINISH_REASONS}
 
 
-def finished_since(server, before: dict[str, float]) -> dict[str, int]:
-    return {r: int(n - before[r]) for r, n in finished(server).items() if n > before[r]}
+def finished_since(samples: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    return {r: int(n - before[r]) for r, n in finished(samples).items() if n > before[r]}
 
 
 def accounted(server, before: dict[str, float], streams: int) -> str:
@@ -53,7 +52,7 @@ def accounted(server, before: dict[str, float], streams: int) -> str:
     while True:
         samples = metric_samples(server.metrics())
         held = metric_value(samples, "tritonllm_engine_requests_in_flight")
-        ended = finished_since(server, before)
+        ended = finished_since(samples, before)
         if not held and sum(ended.values()) >= streams:  # a health probe may add its own
             return ""
         if time.monotonic() > deadline:
@@ -80,7 +79,7 @@ def main() -> int:
     try:
         for n in range(args.rounds):
             ends: list[float] = []
-            before, started = finished(server), time.perf_counter()
+            before, started = finished(metric_samples(server.metrics())), time.perf_counter()
             try:
                 load = served(grpc_url, texts, args.tokens, args.concurrency, ends=ends, leaving=leaving)
                 result = asyncio.run(asyncio.wait_for(load, args.round_timeout))
@@ -93,7 +92,8 @@ def main() -> int:
                 print(f"round {n}: {missing}", flush=True)
                 print(json.dumps(stall_report(server, args.build / "stall"), indent=1), flush=True)
                 return 1
-            print(f"round {n}: every stream finished in the engine: {finished_since(server, before)}", flush=True)
+            ended = finished_since(metric_samples(server.metrics()), before)
+            print(f"round {n}: every stream finished in the engine: {ended}", flush=True)
     finally:
         server.stop()
     return 0

@@ -71,7 +71,7 @@ class RowControls:
             scores = penalise(scores, self.counts, repeated, self.repetition, self.presence, self.frequency, np)
         banned = self._banned(generated)
         guided = self.follower is not None and not self.follower.lost
-        if (banned or guided) and np.shares_memory(scores, row):
+        if (banned or guided) and self.bias_ids is None and self.counts is None:  # still the row itself
             scores = scores.copy()
         scores[banned] = -np.inf
         if guided:
