@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--openai-workers",
         type=int,
-        help="processes of the OpenAI layer (default: one per four cores, at most eight; tritonllm/openai/workers.py)",
+        help="processes of the OpenAI layer (default: one per two cores, at most eight; tritonllm/openai/workers.py)",
     )
     parser.add_argument(
         "--api-key",

@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workers",
         type=int,
         default=default_workers(len(os.sched_getaffinity(0))),
-        help="processes serving the port (default: one per four cores, at most eight)",
+        help="processes serving the port (default: one per two cores, at most eight)",
     )
     args = parser.parse_args(argv)
     if args.workers < 1:

@@ -26,9 +26,10 @@ APP_FACTORY = "tritonllm.openai.app:app_from_environment"  # each worker's app, 
 
 
 def default_workers(cores: int) -> int:
-    """One worker per four cores, at most eight: the rule of the text models' instances (repository/plan.py), but
-    from one, since the engine and Triton need the cores of a small host more."""
-    return max(1, min(8, cores // 4))
+    """One worker per two cores, at most eight: each streamed token costs a worker tens of microseconds of its one
+    core (docs/performance.md, "Eight OpenAI workers against four"), so four workers on 16 cores were full at 512
+    streams; one on a host of two or three, where the engine and Triton need the other core."""
+    return max(1, min(8, cores // 2))
 
 
 def _bound(host: str, port: int, reuse_addr: bool, reuse_port: bool) -> socket.socket | None:

@@ -11,7 +11,7 @@ import pytest
 from uvicorn.config import STARTUP_FAILURE
 
 from tritonllm.launch.tritonserver import free_port
-from tritonllm.openai.workers import WorkerSockets, bind_worker_sockets, reserve_port
+from tritonllm.openai.workers import WorkerSockets, bind_worker_sockets, default_workers, reserve_port
 
 HOST = "127.0.0.1"
 
@@ -94,3 +94,7 @@ def test_the_layer_exits_with_the_failure_code_when_its_port_is_taken(workers):
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == STARTUP_FAILURE, done.stderr[-2000:]
     assert f"cannot bind {HOST}:{port}" in done.stderr
+
+
+def test_one_worker_per_two_cores_from_one_to_eight():
+    assert [default_workers(cores) for cores in (1, 2, 3, 4, 8, 16, 17, 64)] == [1, 1, 1, 2, 4, 8, 8, 8]
