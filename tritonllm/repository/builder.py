@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="instances of preprocessing, postprocessing, tensorrt_llm_bls and the bridge, each a process with its "
-        "own interpreter lock and tokenizer (default: one per four cores of the build host, 1 to 8)",
+        "own interpreter lock and tokenizer (default: one per four cores of the build host, 1 to 8; tensorrt_llm_bls, "
+        "which carries every streamed token, one per two cores)",
     )
     parser.add_argument("--max-seq-len", type=int, default=4096, help="prompt + generated tokens (capped by the model)")
     parser.add_argument(
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer_class=tokenizer_class(plan.model_dir),
             decoupled_mode=args.decoupled_mode,
             text_instances=args.text_instances or plan.text_instances,
+            bls_instances=args.text_instances or plan.bls_instances,
         )
         files = dict(plan.files)
         if plan.engine_config is not None:

@@ -44,6 +44,14 @@ def text_instances(cores: int) -> int:
     return max(1, min(8, cores // 4))
 
 
+def bls_instances(cores: int) -> int:
+    """Instances of tensorrt_llm_bls: one per two cores, 1 to 8. It carries every streamed token of its requests from
+    the engine to the client (detokenized, one response each) in its one interpreter, where preprocessing runs once
+    per request: on a 16-core host, eight reached 0.83-0.90 of the engine's streamed rate at 512 streams where four
+    reached 0.57-0.70 (docs/performance.md). A host of two or three cores gets one."""
+    return max(1, min(8, cores // 2))
+
+
 @dataclass(frozen=True)
 class BuildPlan:
     """Everything the repository is rendered from, derived from the model (or engine) and the options."""
@@ -65,6 +73,7 @@ class BuildPlan:
     details: dict = field(default_factory=dict)  # what else the manifest records (the TensorRT-LLM engine's)
     files: dict[str, str] = field(default_factory=dict)  # path in the repository -> text, written with it
     text_instances: int = field(default_factory=lambda: text_instances(os.cpu_count() or 2))
+    bls_instances: int = field(default_factory=lambda: bls_instances(os.cpu_count() or 2))
 
     @property
     def queue_size(self) -> int:
@@ -133,7 +142,7 @@ class BuildPlan:
             "max_queue_delay_microseconds": "0",
             "preprocessing_instance_count": str(self.text_instances),
             "postprocessing_instance_count": str(self.postprocessing_instances),
-            "bls_instance_count": str(self.text_instances),
+            "bls_instance_count": str(self.bls_instances),
             "tokenizer_dir": self.model_dir,
             "tokenizer_class": self.tokenizer_class,
             "add_special_tokens": "true",

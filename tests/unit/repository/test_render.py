@@ -18,6 +18,7 @@ from tritonllm.repository.plan import (
     MAX_BACKEND_THREADS,
     BuildError,
     BuildPlan,
+    bls_instances,
     engine_options,
     plan_portable,
     text_instances,
@@ -413,7 +414,9 @@ def test_tokenizer_instances_follow_the_build_hosts_cores():
     assert [text_instances(cores) for cores in (1, 2, 8, 12, 16, 64)] == [1, 1, 2, 3, 4, 8]
     assert VALUES["preprocessing_instance_count"] == VALUES["postprocessing_instance_count"] == str(PLAN.text_instances)
     assert DECOUPLED_VALUES["postprocessing_instance_count"] == "1", "responses keep their order (PLAN's docstring)"
-    assert VALUES["bls_instance_count"] == VALUES["bridge_instance_count"] == str(PLAN.text_instances)
+    assert VALUES["bridge_instance_count"] == str(PLAN.text_instances)
+    assert [bls_instances(cores) for cores in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 8, 8]
+    assert VALUES["bls_instance_count"] == str(PLAN.bls_instances)
 
 
 def test_a_build_rendered_from_other_templates_is_stale(tmp_path):
