@@ -7,6 +7,7 @@ them: each is written once, here, and its error names the input the client sent.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,7 +66,7 @@ def check_beam_width(beam_width, max_beam_width: int) -> None:
 def word_list(sequences: Sequence[Sequence[int]]) -> np.ndarray:
     """TensorRT-LLM's [2, L] word-list format: flattened ids, then cumulative end offsets padded with -1."""
     flat = [t for seq in sequences for t in seq]
-    offsets = np.cumsum([len(seq) for seq in sequences], dtype=np.int64).tolist()
+    offsets = list(itertools.accumulate(len(seq) for seq in sequences))  # np.cumsum of a list: ~10x as long
     width = max(len(flat), len(offsets), 1)
     out = np.zeros((2, width), dtype=np.int32)
     out[1, :] = -1
