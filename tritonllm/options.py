@@ -13,6 +13,14 @@ import dataclasses
 import typing
 
 
+def carrier_count(cores: int) -> int:
+    """Processes of a step that carries every streamed token in its one interpreter (tensorrt_llm_bls's instances,
+    the OpenAI layer's workers): one per two cores, 1 to 8. On a 16-core host four of either were each a full core at
+    512 streams and eight were ahead (docs/performance.md, "Eight OpenAI workers and eight tensorrt_llm_bls
+    instances"); a host of two or three cores gets one, its other core for the engine and Triton."""
+    return max(1, min(8, cores // 2))
+
+
 def option(
     default,
     help: str,

@@ -39,7 +39,8 @@ from tritonllm.openai.chat_models import ChatRequest
 from tritonllm.openai.generation import Generator
 from tritonllm.openai.models import APIError, CompletionRequest, LoadLoraAdapter, UnloadLoraAdapter
 from tritonllm.openai.settings import Settings
-from tritonllm.openai.workers import default_workers, port_free, supervise_workers
+from tritonllm.openai.workers import port_free, supervise_workers
+from tritonllm.options import carrier_count
 from tritonllm.protocol import ADMIN_HEADER, ADMIN_KEY_ENV, OPENAI_PORT, PORTS, is_loopback
 
 
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers",
         type=int,
-        default=default_workers(len(os.sched_getaffinity(0))),
+        default=carrier_count(len(os.sched_getaffinity(0))),
         help="processes serving the port (default: one per two cores, at most eight)",
     )
     args = parser.parse_args(argv)

@@ -25,13 +25,6 @@ from tritonllm.protocol import bound_socket
 APP_FACTORY = "tritonllm.openai.app:app_from_environment"  # each worker's app, made in the worker
 
 
-def default_workers(cores: int) -> int:
-    """One worker per two cores, at most eight: each streamed token costs a worker tens of microseconds of its one
-    core (docs/performance.md, "Eight OpenAI workers against four"), so four workers on 16 cores were full at 512
-    streams; one on a host of two or three, where the engine and Triton need the other core."""
-    return max(1, min(8, cores // 2))
-
-
 def _bound(host: str, port: int, reuse_addr: bool, reuse_port: bool) -> socket.socket | None:
     """`bound_socket`, or None (said on stderr) when it cannot be bound."""
     try:

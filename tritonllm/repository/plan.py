@@ -17,7 +17,7 @@ from tritonllm.engine.llmapi_config import KV_CACHE_DTYPES, LLM_API_CONFIG_FILE,
 from tritonllm.engine.lora_gguf import convert_peft, converted_dir, parse_lora
 from tritonllm.engine.synthetic import PASSAGE, SYNTHETIC_CONFIG_FILE, SyntheticConfig
 from tritonllm.errors import ConfigError, InputError
-from tritonllm.options import option_fields
+from tritonllm.options import carrier_count, option_fields
 from tritonllm.protocol import engine_model
 from tritonllm.repository.model_source import retype_gguf
 from tritonllm.text.tokenization import GUIDES_BY_ENGINE, GUIDES_COMPILED, GUIDES_OFF
@@ -44,14 +44,6 @@ def text_instances(cores: int) -> int:
     return max(1, min(8, cores // 4))
 
 
-def bls_instances(cores: int) -> int:
-    """Instances of tensorrt_llm_bls: one per two cores, 1 to 8. It carries every streamed token of its requests from
-    the engine to the client (detokenized, one response each) in its one interpreter, where preprocessing runs once
-    per request: on a 16-core host, eight reached 0.83-0.90 of the engine's streamed rate at 512 streams where four
-    reached 0.57-0.70 (docs/performance.md). A host of two or three cores gets one."""
-    return max(1, min(8, cores // 2))
-
-
 @dataclass(frozen=True)
 class BuildPlan:
     """Everything the repository is rendered from, derived from the model (or engine) and the options."""
@@ -73,7 +65,7 @@ class BuildPlan:
     details: dict = field(default_factory=dict)  # what else the manifest records (the TensorRT-LLM engine's)
     files: dict[str, str] = field(default_factory=dict)  # path in the repository -> text, written with it
     text_instances: int = field(default_factory=lambda: text_instances(os.cpu_count() or 2))
-    bls_instances: int = field(default_factory=lambda: bls_instances(os.cpu_count() or 2))
+    bls_instances: int = field(default_factory=lambda: carrier_count(os.cpu_count() or 2))  # every streamed token
 
     @property
     def queue_size(self) -> int:

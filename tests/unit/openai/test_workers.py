@@ -11,7 +11,8 @@ import pytest
 from uvicorn.config import STARTUP_FAILURE
 
 from tritonllm.launch.tritonserver import free_port
-from tritonllm.openai.workers import WorkerSockets, bind_worker_sockets, default_workers, reserve_port
+from tritonllm.openai.workers import WorkerSockets, bind_worker_sockets, reserve_port
+from tritonllm.options import carrier_count
 
 HOST = "127.0.0.1"
 
@@ -97,4 +98,4 @@ def test_the_layer_exits_with_the_failure_code_when_its_port_is_taken(workers):
 
 
 def test_one_worker_per_two_cores_from_one_to_eight():
-    assert [default_workers(cores) for cores in (1, 2, 3, 4, 8, 16, 17, 64)] == [1, 1, 1, 2, 4, 8, 8, 8]
+    assert [carrier_count(cores) for cores in (1, 2, 3, 4, 8, 16, 17, 64)] == [1, 1, 1, 2, 4, 8, 8, 8]

@@ -12,13 +12,13 @@ import pytest
 
 from tritonllm.engine.api import ENGINE_CONFIG_FILE, EngineConfig
 from tritonllm.errors import ConfigError
+from tritonllm.options import carrier_count
 from tritonllm.protocol import PERF_OUTPUTS
 from tritonllm.repository.builder import main, parse_args
 from tritonllm.repository.plan import (
     MAX_BACKEND_THREADS,
     BuildError,
     BuildPlan,
-    bls_instances,
     engine_options,
     plan_portable,
     text_instances,
@@ -415,7 +415,7 @@ def test_tokenizer_instances_follow_the_build_hosts_cores():
     assert VALUES["preprocessing_instance_count"] == VALUES["postprocessing_instance_count"] == str(PLAN.text_instances)
     assert DECOUPLED_VALUES["postprocessing_instance_count"] == "1", "responses keep their order (PLAN's docstring)"
     assert VALUES["bridge_instance_count"] == str(PLAN.text_instances)
-    assert [bls_instances(cores) for cores in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 8, 8]
+    assert [carrier_count(cores) for cores in (1, 2, 3, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 8, 8]
     assert VALUES["bls_instance_count"] == str(PLAN.bls_instances)
 
 
